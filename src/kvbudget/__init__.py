@@ -1,0 +1,51 @@
+"""kvbudget: KV-cache compression for Hugging Face transformers LLMs under a memory budget.
+
+Public API: :func:`generate`, :func:`compress`, :func:`load_model`, :func:`attach` /
+:func:`detach`, :func:`make_method`, :func:`method_names`, :class:`BudgetCache`.
+Nothing happens at import time: attention is routed through kvbudget only by ``attach``
+(which ``generate`` and ``compress`` call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetCache",
+    "GenerationResult",
+    "attach",
+    "attached",
+    "compress",
+    "detach",
+    "generate",
+    "load_model",
+    "make_method",
+    "method_names",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy imports keep ``import kvbudget`` light (torch and transformers load on first use)."""
+    if name in ("generate", "compress", "GenerationResult"):
+        from kvbudget import engine
+
+        return getattr(engine, name)
+    if name in ("attach", "detach", "attached"):
+        from kvbudget import attention
+
+        return getattr(attention, name)
+    if name == "BudgetCache":
+        from kvbudget.cache import BudgetCache
+
+        return BudgetCache
+    if name in ("make_method", "method_names"):
+        from kvbudget.methods import registry
+
+        return getattr(registry, name)
+    if name == "load_model":
+        from kvbudget.models import load_model
+
+        return load_model
+    raise AttributeError(f"module 'kvbudget' has no attribute {name!r}")

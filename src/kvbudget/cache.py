@@ -1,0 +1,388 @@
+"""BudgetCache: a transformers cache that stores fewer entries than it has seen.
+
+Design (docs/architecture.md §3):
+
+* **Logical vs physical length.** Each layer counts the tokens it has *seen* (``seen``) and stores
+  fewer. ``get_seq_length()`` reports the logical length, so transformers gives new tokens their
+  true RoPE positions without the caller passing ``position_ids``; ``get_mask_sizes()`` reports
+  the physical one.
+* **Two layouts.** A layer whose KV heads all keep the same number of entries stores plain
+  rectangular tensors ``keys: [batch, kv_heads, n, head_dim]`` (exactly like ``DynamicLayer``, so
+  even a plain sdpa attention reads it correctly when nothing is padded). A layer with per-head
+  budgets stores one tensor per KV head, ``head_keys[h]: [batch, n_h, head_dim]``, so skewed
+  budgets save real memory; the registered ``kvbudget`` attention attends per KV head.
+* **Positions and validity.** ``positions`` holds each entry's logical index (``-1`` marks a pad
+  token or an empty slot of a shorter batch row); the validity mask is ``positions >= 0``.
+* **Per-entry state** (accumulated attention, merge counts, ...) lives in ``state`` with the same
+  layout as ``positions`` and is gathered with the keys and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvbudget.errors import KVBudgetError
+
+if TYPE_CHECKING:
+    from kvbudget.session import CompressionSession
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class BudgetLayer(DynamicLayer):
+    """One decoder layer's compressed KV store (see the module docstring for the layouts).
+
+    Attributes:
+        seen: tokens this layer has seen (logical length, left pads included).
+        keys, values: ``[batch, kv_heads, n, head_dim]`` in the rectangular layout, else ``None``.
+        head_keys, head_values: lists of ``[batch, n_h, head_dim]`` in the per-head layout, else ``None``.
+        positions: ``[batch, kv_heads, n]`` (rectangular) or a list of ``[batch, n_h]`` (per head);
+            logical index of each entry, ``-1`` for invalid slots.
+        state: per-entry method state, same layout as ``positions`` (float tensors).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+        self.head_keys: list[torch.Tensor] | None = None
+        self.head_values: list[torch.Tensor] | None = None
+        self.positions: torch.Tensor | list[torch.Tensor] | None = None
+        self.state: dict[str, Any] = {}
+        self.has_invalid = False
+
+    # ------------------------------------------------------------------ transformers API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_empty((b, h, 0, d))
+        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]))
+        self.positions = torch.empty((b, h, 0), dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` ``[batch, kv_heads, q, head_dim]`` (post-RoPE).
+
+        Returns the rectangular keys and values (what any attention function expects). In the
+        per-head layout there is no rectangular tensor: empty placeholders are returned, and only
+        the ``kvbudget`` attention (which reads the layer itself) can serve the layer.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q, _ = key_states.shape
+        new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, q)
+        self.seen += q
+        if self.is_ragged:
+            for i in range(h):
+                self.head_keys[i] = torch.cat([self.head_keys[i], key_states[:, i]], dim=1)
+                self.head_values[i] = torch.cat([self.head_values[i], value_states[:, i]], dim=1)
+                self.positions[i] = torch.cat([self.positions[i], new_pos], dim=1)
+            for name, per_head in self.state.items():
+                self.state[name] = [torch.cat([s, s.new_zeros(b, q)], dim=1) for s in per_head]
+            empty = key_states.new_empty((b, h, 0, key_states.shape[-1]))
+            return empty, empty
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, new_pos[:, None, :].expand(b, h, q)], dim=-1)
+        for name, s in self.state.items():
+            self.state[name] = torch.cat([s, s.new_zeros(b, h, q)], dim=-1)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Logical length: tokens seen, not tokens stored."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Physical key length after appending ``query_length`` tokens, and the logical offset."""
+        kv_length = self.physical_length + query_length
+        return kv_length, self.seen - self.physical_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.head_keys = self.head_values = None
+        self.positions = None
+        self.state = {}
+        self.seen = 0
+        self.has_invalid = False
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KVBudgetError("BudgetCache layers cannot be cropped: their entries are not a contiguous prefix")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._index_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._index_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    # ------------------------------------------------------------------ layout helpers
+    @property
+    def is_ragged(self) -> bool:
+        return self.head_keys is not None
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.head_keys) if self.is_ragged else self.keys.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.head_keys[0].shape[0] if self.is_ragged else self.keys.shape[0]
+
+    @property
+    def physical_length(self) -> int:
+        """Longest stored head (the per-head layout's heads may be shorter)."""
+        if not self.is_initialized:
+            return 0
+        if self.is_ragged:
+            return max(k.shape[1] for k in self.head_keys)
+        return self.keys.shape[-2]
+
+    def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys ``[b, n_h, d]``, values ``[b, n_h, d]`` and positions ``[b, n_h]`` of KV head ``h``."""
+        if self.is_ragged:
+            return self.head_keys[h], self.head_values[h], self.positions[h]
+        return self.keys[:, h], self.values[:, h], self.positions[:, h]
+
+    def head_state(self, name: str, h: int) -> torch.Tensor:
+        s = self.state[name]
+        return s[h] if self.is_ragged else s[:, h]
+
+    def head_lengths(self) -> torch.Tensor:
+        """Valid entries per batch row and KV head: ``[batch, kv_heads]`` (int64)."""
+        if self.is_ragged:
+            return torch.stack([(p >= 0).sum(-1) for p in self.positions], dim=1)
+        return (self.positions >= 0).sum(-1)
+
+    def _map_batch(self, fn: Any) -> None:
+        if not self.is_initialized:
+            return
+        if self.is_ragged:
+            self.head_keys = [fn(t) for t in self.head_keys]
+            self.head_values = [fn(t) for t in self.head_values]
+            self.positions = [fn(t) for t in self.positions]
+            self.state = {k: [fn(t) for t in v] for k, v in self.state.items()}
+        else:
+            self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+            self.state = {k: fn(v) for k, v in self.state.items()}
+
+    def _index_batch(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, indices.to(t.device)))
+
+    # ------------------------------------------------------------------ editing
+    def init_state(self, name: str) -> None:
+        """Create a zero-filled per-entry state tensor ``name`` (no-op if it exists)."""
+        if name in self.state:
+            return
+        if self.is_ragged:
+            self.state[name] = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.positions]
+        else:
+            self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
+
+    def invalidate_new_tokens(self, new_token_valid: torch.Tensor) -> None:
+        """Mark the last ``q`` appended tokens invalid where ``new_token_valid: [batch, q]`` is False."""
+        q = new_token_valid.shape[1]
+        invalid = ~new_token_valid.to(torch.bool)
+        if not bool(invalid.any()):
+            return
+        self.has_invalid = True
+        if self.is_ragged:
+            for p in self.positions:
+                p[:, -q:].masked_fill_(invalid, -1)
+        else:
+            self.positions[:, :, -q:].masked_fill_(invalid[:, None, :], -1)
+
+    def keep(self, keep_indices: list[list[torch.Tensor]]) -> None:
+        """Keep only the given entries.
+
+        Args:
+            keep_indices: ``keep_indices[row][h]`` is a 1-D int64 tensor of slot indices into head
+                ``h`` of batch row ``row``, in the order to store them (callers sort by position).
+
+        Heads of equal length over all rows are stored rectangular; otherwise one tensor per head,
+        each padded across batch rows to its longest row (pads get position ``-1``).
+        """
+        b, h = len(keep_indices), self.num_heads
+        counts = [[int(keep_indices[r][i].numel()) for i in range(h)] for r in range(b)]
+        head_len = [max(counts[r][i] for r in range(b)) for i in range(h)]
+        new_k, new_v, new_p = [], [], []
+        new_state: dict[str, list[torch.Tensor]] = {name: [] for name in self.state}
+        padded = False
+        for i in range(h):
+            k_i, v_i, p_i = self.head(i)
+            n = head_len[i]
+            idx = torch.zeros((b, n), dtype=torch.long, device=k_i.device)
+            ok = torch.zeros((b, n), dtype=torch.bool, device=k_i.device)
+            for r in range(b):
+                c = counts[r][i]
+                idx[r, :c] = keep_indices[r][i].to(k_i.device)
+                ok[r, :c] = True
+            padded = padded or not bool(ok.all())
+            new_k.append(k_i.gather(1, idx[..., None].expand(b, n, k_i.shape[-1])))
+            new_v.append(v_i.gather(1, idx[..., None].expand(b, n, v_i.shape[-1])))
+            new_p.append(p_i.gather(1, idx).masked_fill(~ok, -1))
+            for name in self.state:
+                new_state[name].append(self.head_state(name, i).gather(1, idx))
+        self._store(new_k, new_v, new_p, new_state)
+        self.has_invalid = padded or any(bool((p < 0).any()) for p in new_p)
+
+    def _store(
+        self,
+        head_keys: list[torch.Tensor],
+        head_values: list[torch.Tensor],
+        head_positions: list[torch.Tensor],
+        head_state: dict[str, list[torch.Tensor]],
+    ) -> None:
+        """Store per-head tensors, rectangular when every head has the same length."""
+        if len({k.shape[1] for k in head_keys}) == 1:
+            self.keys = torch.stack(head_keys, dim=1)
+            self.values = torch.stack(head_values, dim=1)
+            self.positions = torch.stack(head_positions, dim=1)
+            self.state = {name: torch.stack(v, dim=1) for name, v in head_state.items()}
+            self.head_keys = self.head_values = None
+        else:
+            self.keys = self.values = None
+            self.head_keys, self.head_values = head_keys, head_values
+            self.positions = head_positions
+            self.state = head_state
+
+    # ------------------------------------------------------------------ accounting
+    def logical_entries(self) -> torch.Tensor:
+        """Valid entries per KV head summed over the batch: ``[kv_heads]``."""
+        return self.head_lengths().sum(0)
+
+    def physical_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        if self.is_ragged:
+            return sum(_bytes(k) + _bytes(v) for k, v in zip(self.head_keys, self.head_values, strict=True))
+        return _bytes(self.keys) + _bytes(self.values)
+
+    def metadata_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        tensors = list(self.positions) if self.is_ragged else [self.positions]
+        for s in self.state.values():
+            tensors += list(s) if isinstance(s, list) else [s]
+        return sum(_bytes(t) for t in tensors)
+
+    def entry_bytes(self) -> int:
+        """Bytes of one entry (key + value of one token in one head)."""
+        k = self.head_keys[0] if self.is_ragged else self.keys
+        v = self.head_values[0] if self.is_ragged else self.values
+        return (k.shape[-1] + v.shape[-1]) * k.element_size()
+
+
+@dataclass
+class CacheStats:
+    """Byte accounting of a cache.
+
+    Attributes:
+        logical_bytes: bytes of the kept (valid) entries: entries × (key + value) × dtype size.
+        physical_bytes: bytes of the allocated key/value tensors (pads included).
+        metadata_bytes: positions and per-entry method state (not part of the KV bytes).
+        entries: kept entries ``[layers, kv_heads]``, summed over batch rows.
+        seen_tokens: logical length (tokens seen, pads included).
+    """
+
+    logical_bytes: int
+    physical_bytes: int
+    metadata_bytes: int
+    entries: torch.Tensor
+    seen_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "logical_bytes": self.logical_bytes,
+            "physical_bytes": self.physical_bytes,
+            "metadata_bytes": self.metadata_bytes,
+            "entries": self.entries.tolist(),
+            "total_entries": int(self.entries.sum()),
+            "seen_tokens": self.seen_tokens,
+            **self.extra,
+        }
+
+
+class BudgetCache(Cache):
+    """A ``transformers`` cache whose layers keep a budgeted subset of entries.
+
+    Works with ``model.generate(past_key_values=cache)`` and a plain forward; compressed layers
+    with per-head budgets need the ``kvbudget`` attention (``kvbudget.attach(model)``).
+
+    Args:
+        num_layers: decoder layers of the model (``config.num_hidden_layers``).
+        session: the active compression session, or ``None`` for a cache that only stores.
+    """
+
+    def __init__(self, num_layers: int, session: CompressionSession | None = None) -> None:
+        super().__init__(layers=[BudgetLayer() for _ in range(num_layers)])
+        self.session = session
+        self.attention_attached = False
+        self.peak_physical_bytes = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if layer.is_ragged and not self.attention_attached:
+            raise KVBudgetError(
+                "this BudgetCache holds per-head budgets, which only the kvbudget attention can read: "
+                "call kvbudget.attach(model) first"
+            )
+        out = layer.update(key_states, value_states)
+        self.note_memory()
+        return out
+
+    def note_memory(self) -> None:
+        """Record the current physical bytes in ``peak_physical_bytes``."""
+        self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes())
+
+    def physical_bytes(self) -> int:
+        return sum(layer.physical_bytes() for layer in self.layers)
+
+    def stats(self, row: int | None = None) -> CacheStats:
+        """Byte accounting over all layers, for the whole batch or one batch ``row``.
+
+        A row's physical bytes are its slice of the allocated tensors (its padding included).
+        """
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if not layers:
+            raise KVBudgetError("the cache is empty: nothing has been prefilled yet")
+        if row is None:
+            entries = torch.stack([layer.logical_entries() for layer in layers])
+            physical = self.physical_bytes()
+            metadata = sum(layer.metadata_bytes() for layer in layers)
+        else:
+            entries = torch.stack([layer.head_lengths()[row] for layer in layers])
+            batch = layers[0].batch_size
+            physical = sum(layer.physical_bytes() for layer in layers) // batch
+            metadata = sum(layer.metadata_bytes() for layer in layers) // batch
+        entry_bytes = layers[0].entry_bytes()
+        return CacheStats(
+            logical_bytes=int(entries.sum()) * entry_bytes,
+            physical_bytes=physical,
+            metadata_bytes=metadata,
+            entries=entries,
+            seen_tokens=layers[0].seen,
+            extra={"peak_physical_bytes": self.peak_physical_bytes},
+        )
+
+
+def full_cache_stats(num_layers: int, num_kv_heads: int, length: int, entry_bytes: int) -> CacheStats:
+    """What an uncompressed cache of ``length`` tokens holds (the "before" of a compression)."""
+    entries = torch.full((num_layers, num_kv_heads), length, dtype=torch.long)
+    size = num_layers * num_kv_heads * length * entry_bytes
+    return CacheStats(size, size, 0, entries, length)

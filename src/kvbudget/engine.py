@@ -1,0 +1,361 @@
+"""Engine: prompt building, prefill with layer-wise compression, and the decode loop.
+
+``generate`` prefills the whole prompt (question-aware, the papers' setting) or only the context
+(``compress_context_only=True``, question-agnostic, then the question is appended uncompressed),
+compressing each layer right after its attention, then decodes greedily (or with temperature /
+top-p) while decode-stage methods keep the cache at budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvbudget.attention import attach
+from kvbudget.cache import BudgetCache, CacheStats, full_cache_stats
+from kvbudget.errors import BudgetError, InputError
+from kvbudget.methods.base import Method
+from kvbudget.methods.registry import resolve_method
+from kvbudget.session import CompressionSession
+
+
+@dataclass
+class GenerationResult:
+    """One sample's generation.
+
+    Attributes:
+        text: the answer (special tokens and the final EOS removed; the answer prefix not included).
+        token_ids: generated token ids (EOS included when produced).
+        ttft_s: time to first token (prefill + compression + first token).
+        tpot_s: mean time per output token after the first.
+        compress_s: time spent scoring and selecting during the prefill.
+        cache_stats_before: an uncompressed cache of the prompt; cache_stats_after: after the prefill.
+        budgets: ``[layers, kv_heads]`` entries kept per head after the prefill.
+        timings: ``prefill``, ``compress``, ``decode`` (and what other stages add), seconds.
+        prompt_tokens: prompt length in tokens.
+        method: the method's name; options: its hyperparameters.
+    """
+
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    tpot_s: float
+    compress_s: float
+    cache_stats_before: CacheStats
+    cache_stats_after: CacheStats
+    budgets: torch.Tensor
+    timings: dict[str, float]
+    prompt_tokens: int
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    selection_layer: int | None = None
+
+
+@dataclass
+class Prompt:
+    """A tokenised prompt split where the context ends (for question-agnostic compression)."""
+
+    context_ids: list[int]
+    question_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.context_ids + self.question_ids
+
+
+def build_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str = "", answer_prefix: str = "") -> Prompt:
+    """Tokenise ``context`` + ``question`` with the chat template (when the tokenizer has one).
+
+    The user message is the context, a blank line and the question; the answer prefix follows the
+    template's generation prompt. The prompt is tokenised in two pieces — up to the end of the
+    context, and the rest — so question-aware and question-agnostic runs see identical tokens.
+    """
+    if not context or not context.strip():
+        raise InputError("context is empty: give the text to compress")
+    message = f"{context}\n\n{question}" if question else context
+    if tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+        cut = rendered.index(context) + len(context)
+        head, tail = rendered[:cut], rendered[cut:] + answer_prefix
+        head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    else:
+        head = context
+        tail = (f"\n\n{question}\n" if question else "\n") + answer_prefix
+        head_ids = tokenizer(head, add_special_tokens=True)["input_ids"]
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    return Prompt(head_ids, tail_ids)
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, T]`` ids and mask, shorter sequences padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, width - len(s) :] = torch.tensor(s)
+            mask[r, width - len(s) :] = 1
+    return ids, mask
+
+
+def _check_budget(method: Method, budget: int | None, ratio: float | None, max_context: int) -> None:
+    if budget is not None and ratio is not None:
+        raise BudgetError("give either budget or ratio, not both")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise BudgetError(f"budget must be a positive integer (entries per KV head), got {budget!r}")
+        if budget > max_context:
+            raise BudgetError(f"budget {budget} exceeds the model's context of {max_context} tokens")
+        method.check_budget(budget)
+    if ratio is not None and not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+        raise BudgetError(f"ratio must be in (0, 1], got {ratio!r}")
+
+
+def _check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int]) -> None:
+    if ratio is None:
+        return
+    for length in lengths:
+        budget = max(1, round(ratio * length))
+        if budget < length and budget < method.min_budget():
+            raise BudgetError(
+                f"ratio {ratio} keeps {budget} of a {length}-token prompt, below the {method.min_budget()} "
+                f"entries {method.name} always keeps; use a larger ratio or budget"
+            )
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    return ids
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """``logits: [b, vocab]`` → ``[b]`` token ids (greedy when ``temperature == 0``)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _forward(
+    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BudgetCache
+) -> torch.Tensor:
+    """One forward over ``ids: [b, q]``; returns the last position's logits ``[b, vocab]``."""
+    out = model(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        position_ids=positions.to(model.device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1]
+
+
+def _max_context(model: PreTrainedModel) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+@torch.inference_mode()
+def prefill(
+    model: PreTrainedModel,
+    prompts: list[Prompt],
+    session: CompressionSession,
+    pad_id: int,
+    compress_context_only: bool = False,
+) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill ``prompts`` (left-padded batch) into a new BudgetCache, compressing layer by layer.
+
+    Returns the cache, the last position's logits ``[b, vocab]``, the 2-D attention mask
+    ``[b, T]`` and the position of each row's last token ``[b]``.
+    """
+    attach(model)
+    cache = BudgetCache(model.config.num_hidden_layers, session)
+    if compress_context_only:
+        ctx_ids, ctx_mask = _left_pad([p.context_ids for p in prompts], pad_id)
+        q_ids, q_mask = _left_pad([p.question_ids or [pad_id] for p in prompts], pad_id)
+        for r, p in enumerate(prompts):
+            if not p.question_ids:
+                q_mask[r] = 0
+        ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
+        chunks = [(0, ctx_ids.shape[1], "prefill"), (ctx_ids.shape[1], ids.shape[1], "off")]
+    else:
+        ids, mask = _left_pad([p.ids for p in prompts], pad_id)
+        chunks = [(0, ids.shape[1], "prefill")]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = None
+    for start, stop, phase in chunks:
+        session.phase = phase
+        logits = _forward(model, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], cache)
+    return cache, logits, mask, positions[:, -1]
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str | list[str],
+    question: str | list[str] = "",
+    answer_prefix: str | list[str] = "",
+    method: str | Method = "snapkv",
+    budget: int | None = None,
+    ratio: float | None = None,
+    max_new_tokens: int = 64,
+    compress_context_only: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> GenerationResult | list[GenerationResult]:
+    """Compress the prompt's KV cache with ``method`` and generate an answer.
+
+    Args:
+        context, question, answer_prefix: strings, or lists of equal length for a batch (prompts
+            of different lengths are left-padded; each row is compressed on its own tokens).
+        method: a registry name (``kvbudget.method_names()``) or a method object (``make_method``).
+        budget: entries per KV head on average, window included (default 128); or
+        ratio: fraction of each prompt to keep, in (0, 1].
+        max_new_tokens: generation length limit (stops earlier at EOS).
+        compress_context_only: question-agnostic mode — compress the context, then append the
+            question uncompressed.
+        temperature, top_p, seed: sampling (greedy when ``temperature == 0``).
+
+    Returns:
+        A :class:`GenerationResult`, or a list of them for a batch.
+    """
+    batch = isinstance(context, list)
+    contexts = context if batch else [context]
+    questions = question if isinstance(question, list) else [question] * len(contexts)
+    prefixes = answer_prefix if isinstance(answer_prefix, list) else [answer_prefix] * len(contexts)
+    if not (len(contexts) == len(questions) == len(prefixes)) or not contexts:
+        raise InputError("context, question and answer_prefix lists must be non-empty and of equal length")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    method_obj = resolve_method(method)
+    if budget is None and ratio is None:
+        budget = 128
+    max_context = _max_context(model)
+    _check_budget(method_obj, budget, ratio, max_context)
+    prompts = [build_prompt(tokenizer, c, q, a) for c, q, a in zip(contexts, questions, prefixes, strict=True)]
+    lengths = [len(p.ids) for p in prompts]
+    for length in lengths:
+        if length + max_new_tokens > max_context:
+            raise InputError(
+                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                f"of {max_context} tokens"
+            )
+    _check_ratio_budgets(method_obj, ratio, [len(p.context_ids) if compress_context_only else len(p.ids) for p in prompts])
+
+    config = model.config
+    session = CompressionSession(method_obj, config.num_hidden_layers, budget=budget, ratio=ratio)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = _eos_ids(model, tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+
+    start = time.perf_counter()
+    cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only)
+    token = _next_token(logits, temperature, top_p, generator)
+    ttft = time.perf_counter() - start
+    stats_after = [cache.stats(r) for r in range(len(prompts))]
+
+    session.phase = "decode"
+    generated = [[int(t)] for t in token]
+    finished = torch.tensor([int(t) in eos for t in token])
+    steps, decode_start = 0, time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        if bool(finished.all()):
+            break
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
+        last_pos = last_pos + 1
+        logits = _forward(model, token[:, None], mask, last_pos[:, None], cache)
+        token = _next_token(logits, temperature, top_p, generator)
+        steps += 1
+        for r, t in enumerate(token.tolist()):
+            if not finished[r]:
+                generated[r].append(t)
+                finished[r] = t in eos
+    decode_time = time.perf_counter() - decode_start
+
+    entry_bytes = cache.layers[0].entry_bytes()
+    results = []
+    for r, prompt in enumerate(prompts):
+        ids = generated[r]
+        text_ids = ids[:-1] if ids and ids[-1] in eos else ids
+        compressed_len = len(prompt.context_ids) if compress_context_only else len(prompt.ids)
+        budgets = (
+            session.budgets[r]
+            if session.budgets is not None
+            else torch.full((config.num_hidden_layers, config.num_key_value_heads), compressed_len)
+        )
+        results.append(
+            GenerationResult(
+                text=tokenizer.decode(text_ids, skip_special_tokens=True),
+                token_ids=ids,
+                ttft_s=ttft,
+                tpot_s=decode_time / steps if steps else math.nan,
+                compress_s=session.compress_seconds,
+                cache_stats_before=full_cache_stats(
+                    config.num_hidden_layers, config.num_key_value_heads, compressed_len, entry_bytes
+                ),
+                cache_stats_after=stats_after[r],
+                budgets=budgets,
+                timings={
+                    "prefill": ttft - session.compress_seconds,
+                    "compress": session.compress_seconds,
+                    "decode": decode_time,
+                    "decode_trim": session.decode_seconds,
+                },
+                prompt_tokens=len(prompt.ids),
+                method=method_obj.name,
+                options=method_obj.options(),
+            )
+        )
+    return results if batch else results[0]
+
+
+@torch.inference_mode()
+def compress(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    method: str | Method = "snapkv",
+    budget: int | None = None,
+    ratio: float | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> BudgetCache:
+    """Prefill ``input_ids: [b, T]`` and return the compressed cache.
+
+    The cache stays in decode phase, so ``model.generate(full_ids, past_key_values=cache)``
+    continues from it (decode-stage methods keep trimming). Pass the prompt without its last
+    token here and the whole prompt to ``generate``.
+    """
+    method_obj = resolve_method(method)
+    if budget is None and ratio is None:
+        budget = 128
+    _check_budget(method_obj, budget, ratio, _max_context(model))
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise InputError(f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    _check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())
+    attach(model)
+    session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
+    cache = BudgetCache(model.config.num_hidden_layers, session)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    _forward(model, input_ids, attention_mask, positions, cache)
+    session.phase = "decode"
+    return cache

@@ -1,0 +1,31 @@
+"""Errors raised by kvbudget.
+
+Every error a user can cause derives from :class:`KVBudgetError` (a ``ValueError``), carries a
+one-line message naming the bad value and what is allowed, and is turned into exit code 2 by the CLI.
+"""
+
+from __future__ import annotations
+
+
+class KVBudgetError(ValueError):
+    """Base class of all user-facing kvbudget errors."""
+
+
+class UnknownMethodError(KVBudgetError):
+    """A method name that is not in the registry, or an option the method does not have."""
+
+
+class BudgetError(KVBudgetError):
+    """A budget or ratio outside its allowed range."""
+
+
+class InputError(KVBudgetError):
+    """Bad prompt input: empty context, prompt longer than the model's context, ..."""
+
+
+class UnsupportedModelError(KVBudgetError):
+    """A model architecture the attention hook cannot serve."""
+
+
+class ArtifactError(KVBudgetError):
+    """A registry artifact (model or data) is missing, or its hash does not match."""

@@ -1,0 +1,1 @@
+"""Compression methods, one per file; see registry.py."""

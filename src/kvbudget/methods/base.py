@@ -1,0 +1,149 @@
+"""Method: a named composition of scorer, allocator and selector, with the stages it acts in.
+
+A method is a dataclass whose fields are its hyperparameters (the paper's defaults). Subclasses
+override the parts that differ:
+
+* :meth:`Method.score` — importance ``[b, kv_heads, n]`` of every entry of a layer (the scorer);
+* :meth:`Method.layer_budget` — entries per head for a layer (the layer allocator);
+* :meth:`Method.head_budgets` — per-head split of a layer's budget (the head allocator);
+* :meth:`Method.window_for` / ``sinks`` — what the selector always keeps.
+
+:meth:`Method.compress` runs them on one layer; decode-stage methods also implement
+:meth:`Method.decode_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvbudget.errors import BudgetError, UnknownMethodError
+from kvbudget.observation import Observation
+from kvbudget.selection import protected_mask, select_keep
+
+
+@dataclass
+class Method:
+    """Base class of all methods.
+
+    Args:
+        window: recent entries always kept (the observation window of window scorers).
+        sinks: first entries always kept.
+    """
+
+    name: ClassVar[str] = "base"
+    paper: ClassVar[str] = ""
+    stages: ClassVar[tuple[str, ...]] = ("prefill",)
+
+    window: int = 32
+    sinks: int = 0
+
+    # ------------------------------------------------------------------ configuration
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`UnknownMethodError` naming a bad option (override to add checks)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("window", "sinks", "kernel") and (not isinstance(value, int) or value < 0):
+                raise UnknownMethodError(f"{self.name}: option {f.name} must be an integer ≥ 0, got {value!r}")
+        if getattr(self, "pooling", "none") not in ("max", "avg", "none"):
+            raise UnknownMethodError(f"{self.name}: pooling must be max, avg or none, got {self.pooling!r}")
+        kernel = getattr(self, "kernel", 1)
+        if kernel % 2 == 0:
+            raise UnknownMethodError(f"{self.name}: kernel must be odd (the pooled length is preserved), got {kernel}")
+
+    def options(self) -> dict[str, Any]:
+        """The method's hyperparameters and their values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def min_budget(self) -> int:
+        """Smallest budget the method accepts (it must exceed what is always kept)."""
+        return self.window + self.sinks + 1
+
+    def check_budget(self, budget: int) -> None:
+        if budget < self.min_budget():
+            raise BudgetError(
+                f"budget must be ≥ {self.min_budget()} for {self.name} "
+                f"(window {self.window} + sinks {self.sinks} + 1), got {budget}"
+            )
+
+    # ------------------------------------------------------------------ parts
+    def window_for(self, budget: int) -> int:
+        """Recent entries always kept when a row's budget is ``budget``."""
+        return self.window
+
+    def layer_budget(self, budget: int, length: int, layer_idx: int, num_layers: int) -> int:
+        """Entries per head for layer ``layer_idx`` (uniform by default)."""
+        return min(budget, length)
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Importance of each entry, ``[b, kv_heads, n]`` (higher = keep)."""
+        raise NotImplementedError
+
+    def head_budgets(
+        self, scores: torch.Tensor, layer_budget: int, protected: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Split a layer's budget over its heads for one batch row (uniform by default).
+
+        Args:
+            scores: ``[kv_heads, n]``; protected, valid: ``[kv_heads, n]`` bool.
+        Returns:
+            ``[kv_heads]`` entries per head, window included.
+        """
+        return torch.full((scores.shape[0],), layer_budget, dtype=torch.long)
+
+    # ------------------------------------------------------------------ actions
+    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        """Compress one layer in place.
+
+        Args:
+            obs: the layer after its prefill attention (rectangular layout).
+            targets: per batch row, the budget, or ``None`` to keep the row whole.
+        Returns:
+            ``[b, kv_heads]`` entries kept per head.
+        """
+        lengths = obs.lengths
+        heads = obs.num_kv_heads
+        kept = lengths[:, None].expand(-1, heads).clone().cpu()
+        if all(t is None for t in targets):
+            return kept
+        scores = self.score(obs)
+        valid = obs.valid
+        protected = torch.zeros_like(valid)
+        for r, target in enumerate(targets):
+            if target is None:
+                continue
+            length = int(lengths[r])
+            protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
+            layer_budget = self.layer_budget(target, length, obs.layer_idx, obs.num_layers)
+            kept[r] = self.head_budgets(scores[r], layer_budget, protected[r], valid[r])
+        obs.layer.keep(select_keep(scores, kept, valid, protected))
+        return kept
+
+    def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
+        """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods)."""
+        raise NotImplementedError(f"{self.name} does not act while decoding")
+
+    def trim_to(self, obs: Observation, row_budgets: list[int]) -> None:
+        """Evict the lowest-scored entries of rows holding more than their budget.
+
+        Decode-stage helper: scores with :meth:`score` (called every step, so stateful scorers
+        can accumulate) and keeps ``budget`` entries per head of every over-full row.
+        """
+        scores = self.score(obs)
+        lengths = obs.layer.head_lengths()  # [b, h]
+        if all(int(lengths[r].max()) <= b for r, b in enumerate(row_budgets)):
+            return
+        valid = obs.valid
+        protected = torch.zeros_like(valid)
+        budgets = lengths.clone()
+        for r, budget in enumerate(row_budgets):
+            if int(lengths[r].max()) > budget:
+                protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(budget), self.sinks)[0]
+                budgets[r] = budget
+        obs.layer.keep(select_keep(scores, budgets, valid, protected))

@@ -1,0 +1,27 @@
+"""Full cache: keeps every entry (the reference every method is compared with)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbudget.methods.base import Method
+from kvbudget.observation import Observation
+
+
+@dataclass
+class FullCache(Method):
+    """No compression. Accepts any budget and ignores it."""
+
+    name: ClassVar[str] = "full"
+    paper: ClassVar[str] = "-"
+    stages: ClassVar[tuple[str, ...]] = ()
+    window: int = 0
+
+    def min_budget(self) -> int:
+        return 1
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return torch.zeros(obs.positions.shape)

@@ -1,0 +1,38 @@
+"""VATP: value-aware token pruning — attention times value norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbudget.methods.base import Method
+from kvbudget.observation import Observation, reduce_group
+from kvbudget.scoring import value_norms
+
+
+@dataclass
+class VATP(Method):
+    """VATP: score = accumulated attention × ``‖v_j‖₁``.
+
+    The accumulated attention is that of the observation window (the last ``window`` prompt
+    queries, summed over rows), averaged over each GQA group — the window form that lets VATP
+    run in the prefill stage like SnapKV (METHODS.md's stage table). Attention sinks have tiny
+    value norms, so the paper keeps them: ``sinks`` (default 4) are always kept.
+
+    Reference: Guo et al., "Attention Score is not All You Need for Token Importance Indicator in
+    KV Cache Reduction: Value Also Matters", EMNLP 2024 (arXiv:2406.12335).
+
+    Args:
+        window: observation window, always kept (32). sinks: first tokens always kept (4).
+    """
+
+    name: ClassVar[str] = "vatp"
+    paper: ClassVar[str] = "arXiv:2406.12335"
+    window: int = 32
+    sinks: int = 4
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        attention = reduce_group(obs.window_probs(self.window).sum(2), obs.num_kv_heads, "mean")
+        return attention * value_norms(obs, p=1)

@@ -1,0 +1,132 @@
+"""What one layer exposes to a method: queries, keys, values, positions, attention probabilities.
+
+Everything costly is computed on demand and memoised: window probabilities are cheap
+(``w × n``), full-attention column sums are computed in query chunks so memory stays
+``O(n · chunk)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbudget.attention import attention_mask_for
+from kvbudget.cache import BudgetLayer
+
+
+@dataclass
+class Observation:
+    """A layer right after its attention ran, before it is compressed.
+
+    Attributes:
+        layer_idx: decoder layer index; num_layers: decoder layers of the model.
+        query: ``[b, q_heads, q, d]`` post-RoPE queries of the tokens of this forward.
+        layer: the layer's cache (rectangular during a prefill: ``keys: [b, kv_heads, n, d]``).
+        scaling: the attention's softmax scale.
+    """
+
+    layer_idx: int
+    num_layers: int
+    query: torch.Tensor
+    layer: BudgetLayer
+    scaling: float
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[b, kv_heads, n, d]``."""
+        return self.layer.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``[b, kv_heads, n, d]``."""
+        return self.layer.values
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[b, kv_heads, n]`` logical positions (``-1`` = invalid)."""
+        return self.layer.positions
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[b, kv_heads, n]`` bool."""
+        return self.layer.positions >= 0
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.query.shape[1] // self.num_kv_heads
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Valid entries per batch row: ``[b]``."""
+        return self.valid[:, 0].sum(-1)
+
+    def window_probs(self, window: int) -> torch.Tensor:
+        """Attention of the last ``window`` queries over all keys: ``[b, q_heads, w, n]`` (fp32).
+
+        Causal inside the bottom-right ``w × w`` block; invalid keys get probability 0; the window
+        keys stay in the normaliser.
+        """
+        w = min(window, self.query.shape[2])
+        key = ("window", w)
+        if key not in self._memo:
+            self._memo[key] = self._probs(self.query[:, :, -w:], self.keys.shape[2])
+        return self._memo[key]
+
+    def last_row_probs(self) -> torch.Tensor:
+        """Attention of the last query: ``[b, q_heads, n]`` (fp32)."""
+        return self.window_probs(1)[:, :, 0]
+
+    def column_sums(self, chunk: int = 512) -> torch.Tensor:
+        """Attention received by each key, summed over all queries of this forward: ``[b, q_heads, n]``.
+
+        Computed ``chunk`` queries at a time, so the full ``q × n`` matrix never exists.
+        Queries of invalid (pad) tokens contribute nothing.
+        """
+        if "colsum" in self._memo:
+            return self._memo["colsum"]
+        q = self.query.shape[2]
+        n = self.keys.shape[2]
+        total = torch.zeros((self.query.shape[0], self.query.shape[1], n), dtype=torch.float32, device=self.keys.device)
+        query_valid = self.positions[:, 0, n - q :] >= 0  # [b, q]
+        for start in range(0, q, chunk):
+            stop = min(start + chunk, q)
+            # keys visible to queries start..stop-1: everything up to their own token
+            visible = n - q + stop
+            probs = self._probs(self.query[:, :, start:stop], visible)
+            probs = probs * query_valid[:, None, start:stop, None]
+            total[:, :, :visible] += probs.sum(dim=2)
+        self._memo["colsum"] = total
+        return total
+
+    def _probs(self, query: torch.Tensor, visible: int) -> torch.Tensor:
+        """Softmax (fp32) over the first ``visible`` keys of ``query: [b, q_heads, m, d]``.
+
+        The queries are the tokens of keys ``visible - m .. visible - 1``: causal inside that block,
+        invalid keys masked.
+        """
+        m = query.shape[2]
+        keys = self.keys[:, :, :visible].repeat_interleave(self.group_size, dim=1).float()
+        logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * self.scaling
+        mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=True)
+        if mask.shape[1] > 1:
+            mask = mask.repeat_interleave(self.group_size, dim=1)
+        return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:
+    """Reduce ``[b, q_heads, n]`` over each GQA group to ``[b, kv_heads, n]`` (``mean``/``max``/``sum``)."""
+    b, hq, n = scores.shape
+    grouped = scores.view(b, num_kv_heads, hq // num_kv_heads, n)
+    if how == "mean":
+        return grouped.mean(2)
+    if how == "max":
+        return grouped.amax(2)
+    if how == "sum":
+        return grouped.sum(2)
+    raise ValueError(f"unknown GQA reduction '{how}': expected mean, max or sum")

@@ -1,0 +1,45 @@
+"""Selector: per-head top-k of scores with protected entries always kept."""
+
+from __future__ import annotations
+
+import torch
+
+
+def protected_mask(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """Entries always kept: the last ``window`` and first ``sinks`` valid entries of each row and head.
+
+    Args:
+        positions: ``[b, kv_heads, n]`` slot positions (``-1`` = invalid slot, anywhere in the row).
+    Returns:
+        ``[b, kv_heads, n]`` bool.
+    """
+    valid = positions >= 0
+    counts = valid.long()
+    protect = torch.zeros_like(valid)
+    if window > 0:
+        rank_from_end = counts.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid entry
+        protect |= valid & (rank_from_end <= window)
+    if sinks > 0:
+        protect |= valid & (counts.cumsum(-1) <= sinks)
+    return protect
+
+
+def select_keep(
+    scores: torch.Tensor, budgets: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor
+) -> list[list[torch.Tensor]]:
+    """Indices to keep: per row and head, the top ``budgets[r, h]`` entries, protected ones first.
+
+    Args:
+        scores: ``[b, kv_heads, n]``; budgets: ``[b, kv_heads]`` (clamped to the valid count);
+        valid, protected: ``[b, kv_heads, n]`` bool.
+    Returns:
+        ``keep[r][h]``: sorted 1-D int64 slot indices.
+    """
+    s = scores.float().masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
+    counts = torch.minimum(budgets.long(), valid.sum(-1))
+    keep: list[list[torch.Tensor]] = []
+    for r in range(s.shape[0]):
+        k_max = int(counts[r].max())
+        top = torch.topk(s[r], k_max, dim=-1).indices  # [h, k_max], best first
+        keep.append([top[h, : int(counts[r, h])].sort().values for h in range(s.shape[1])])
+    return keep

@@ -1,0 +1,78 @@
+"""CompressionSession: what the attention hook calls after each layer's attention.
+
+The engine creates one per run and puts it on the :class:`~kvbudget.cache.BudgetCache`. Its
+``phase`` says what the next forward is: ``"prefill"`` (compress each layer right after its
+attention, so peak memory stays near one full layer plus the compressed rest), ``"decode"``
+(decode-stage methods trim each layer back to budget after every step) or ``"off"``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbudget.observation import Observation
+
+if TYPE_CHECKING:
+    from kvbudget.cache import BudgetLayer
+    from kvbudget.methods.base import Method
+
+
+class CompressionSession:
+    """Budget bookkeeping for one run of one method.
+
+    Args:
+        method: the method object (fresh per run).
+        num_layers: decoder layers.
+        budget: entries per KV head on average, window included, or ``None`` with ``ratio``.
+        ratio: fraction of each prompt to keep, or ``None`` with ``budget``.
+
+    Attributes:
+        budgets: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
+            layers are compressed; an uncompressed row keeps its whole length).
+        row_budgets: per batch row, the resolved budget in entries per head.
+        targets: per batch row, the budget for the prefill (``None`` = the prompt fits, keep it).
+        compress_seconds: time spent scoring and selecting during the prefill.
+        decode_seconds: time spent trimming during decoding.
+    """
+
+    def __init__(self, method: Method, num_layers: int, budget: int | None = None, ratio: float | None = None):
+        self.method = method
+        self.num_layers = num_layers
+        self.budget = budget
+        self.ratio = ratio
+        self.phase = "prefill"
+        self.budgets: torch.Tensor | None = None
+        self.row_budgets: list[int] | None = None
+        self.targets: list[int | None] | None = None
+        self.compress_seconds = 0.0
+        self.decode_seconds = 0.0
+
+    def resolve(self, lengths: torch.Tensor) -> None:
+        """Set ``row_budgets`` and ``targets`` from the valid prompt ``lengths: [b]``."""
+        self.row_budgets = [
+            self.budget if self.budget is not None else max(1, round(self.ratio * length))
+            for length in lengths.tolist()
+        ]
+        self.targets = [None if b >= n else b for b, n in zip(self.row_budgets, lengths.tolist(), strict=True)]
+
+    def after_attention(self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float) -> None:
+        """Called by the attention hook once the layer's attention output is computed."""
+        stages = self.method.stages
+        if self.phase == "prefill" and "prefill" in stages:
+            start = time.perf_counter()
+            obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+            if self.targets is None:
+                self.resolve(obs.lengths)
+            kept = self.method.compress(obs, self.targets)
+            if self.budgets is None:
+                self.budgets = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
+            self.budgets[:, layer_idx] = kept.cpu()
+            self.compress_seconds += time.perf_counter() - start
+        elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
+            start = time.perf_counter()
+            obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+            self.method.decode_step(obs, self.row_budgets)
+            self.decode_seconds += time.perf_counter() - start

@@ -20,8 +20,9 @@ def pyramid_layer_budget(
 
     With ``B' = budget − window``: ``min = B' // β``, ``max = 2B' − min``; if ``max ≥ length − window``
     then ``max = length − window`` and ``min = 2B' − max``; ``step = (max − min) // (layers − 1)``;
-    layer ``l`` keeps ``max − l·step`` plus the window. Integer steps make the total fall short of
-    ``layers · budget`` by less than ``layers`` entries (as in the authors' code).
+    layer ``l`` keeps ``max − l·step`` plus the window. The floored step makes the layers' total
+    exceed ``layers · budget`` by ``ε·layers·(layers−1)/2`` entries per head, ``ε < 1`` the step's
+    dropped fraction (as in the authors' code; a few percent at the papers' budgets).
     """
     if budget >= length:
         return length
@@ -67,7 +68,8 @@ def adaptive_head_budgets(scores: torch.Tensor, layer_budget: int, window: int, 
     heads, m = scores.shape
     b_prime = layer_budget - window
     total = heads * b_prime
-    winners = torch.topk(scores.reshape(-1), total).indices // m
+    # stable sort: exact ties go to the earlier (head, slot), independent of the sort kernel
+    winners = torch.sort(scores.reshape(-1), descending=True, stable=True).indices[:total] // m
     counts = torch.bincount(winners, minlength=heads).float()
     shares = counts * (1 - floor_alpha) + b_prime * floor_alpha
     return largest_remainder_round(shares, total) + window

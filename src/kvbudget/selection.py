@@ -34,12 +34,15 @@ def select_keep(
         valid, protected: ``[b, kv_heads, n]`` bool.
     Returns:
         ``keep[r][h]``: sorted 1-D int64 slot indices.
+
+    Exact ties (max pooling copies one value to its neighbours) go to the earlier slot, so the
+    choice does not depend on padding or on the sort kernel.
     """
     s = scores.float().masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
     counts = torch.minimum(budgets.long(), valid.sum(-1))
     keep: list[list[torch.Tensor]] = []
     for r in range(s.shape[0]):
         k_max = int(counts[r].max())
-        top = torch.topk(s[r], k_max, dim=-1).indices  # [h, k_max], best first
+        top = torch.sort(s[r], dim=-1, descending=True, stable=True).indices[:, :k_max]  # best first
         keep.append([top[h, : int(counts[r, h])].sort().values for h in range(s.shape[1])])
     return keep

@@ -18,6 +18,9 @@ class RandomEviction(Method):
     Args:
         window: recent entries always kept (default 0: a pure floor).
         seed: seeds a generator per layer (``seed + layer_idx``), so runs are reproducible.
+
+    Each batch row draws its scores over its own valid entries in order, so a prompt gets the
+    same selection alone or in a batch.
     """
 
     name: ClassVar[str] = "random"
@@ -26,5 +29,10 @@ class RandomEviction(Method):
     seed: int = 0
 
     def score(self, obs: Observation) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed + obs.layer_idx)
-        return torch.rand(obs.positions.shape, generator=generator)
+        scores = torch.zeros(obs.positions.shape)
+        valid = obs.valid.cpu()
+        for r in range(scores.shape[0]):
+            generator = torch.Generator().manual_seed(self.seed + obs.layer_idx)
+            row = torch.rand((scores.shape[1], int(valid[r, 0].sum())), generator=generator)
+            scores[r][valid[r]] = row.reshape(-1)
+        return scores.to(obs.positions.device)

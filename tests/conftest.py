@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random models built from configs (no download) and the real model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0) -> PreTrainedModel:
+    """A tiny random decoder with GQA (4 query / 2 KV heads, 4 layers), in eval mode.
+
+    Weights are scaled up so next-token distributions are peaked: greedy comparisons are then
+    not decided by float noise.
+    """
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, initializer_range=0.2))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, initializer_range=0.2))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**TINY, initializer_range=0.2, sliding_window=None))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llama() -> PreTrainedModel:
+    return tiny_model("llama")
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
+def any_tiny_model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The default real model (smollm2-135m), fetched by `make fetch`."""
+    from kvbudget.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def tiny_tokenizer(chat_template: bool = False):
+    """A character-level tokenizer over 96 ids ([PAD]=0, [EOS]=1, [UNK]=2, then characters)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + TINY["vocab_size"] - 3)]
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    if chat_template:
+        tok.chat_template = (
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return tiny_tokenizer(chat_template=True)

@@ -1,0 +1,29 @@
+"""The list every generic test runs over: each registered method with small ("easy") options.
+
+A new method gets the no-op, budget, batch, decode and reference tests the moment it is
+registered; give it small options here if its defaults need a longer prompt than the tiny tests use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbudget.methods.base import Method
+from kvbudget.methods.registry import make_method, method_names
+
+SMALL_OPTIONS: dict[str, dict[str, Any]] = {
+    "snapkv": {"window": 4, "kernel": 3},
+    "pyramidkv": {"window": 4, "kernel": 3},
+    "ada-snapkv": {"window": 4, "kernel": 3},
+    "ada-pyramidkv": {"window": 4, "kernel": 3},
+    "vatp": {"window": 4, "sinks": 2},
+}
+
+ALL_METHODS = method_names()
+DECODE_METHODS = [name for name in ALL_METHODS if "decode" in make_method(name).stages]
+COMPRESSING_METHODS = [name for name in ALL_METHODS if name != "full"]
+
+
+def small(name: str) -> Method:
+    """A fresh method object with options fitting the tiny tests' prompts (~100–200 tokens)."""
+    return make_method(name, **SMALL_OPTIONS.get(name, {}))

@@ -51,7 +51,9 @@ def largest_remainder_round(shares: torch.Tensor, total: int) -> torch.Tensor:
     return result
 
 
-def adaptive_head_budgets(scores: torch.Tensor, layer_budget: int, window: int, floor_alpha: float) -> torch.Tensor:
+def adaptive_head_budgets(
+    scores: torch.Tensor, layer_budget: int, window: int, floor_alpha: float
+) -> torch.Tensor:
     """AdaKV head budgets for one batch row of one layer.
 
     Args:

@@ -26,9 +26,9 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import UnsupportedModelError
+from kvbudget.models import SUPPORTED_MODEL_TYPES
 
 ATTENTION_NAME = "kvbudget"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 
 
 @dataclass
@@ -131,7 +131,11 @@ def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> tor
         mask = attention_mask_for(pos, q, layer.has_invalid)
         outputs.append(
             F.scaled_dot_product_attention(
-                query[:, h * group : (h + 1) * group], k[:, None], v[:, None], attn_mask=mask, scale=scaling,
+                query[:, h * group : (h + 1) * group],
+                k[:, None],
+                v[:, None],
+                attn_mask=mask,
+                scale=scaling,
                 enable_gqa=True,
             )
         )
@@ -206,7 +210,11 @@ def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
 
 
 def _attention_modules(model: PreTrainedModel) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")
+    ]
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -233,7 +241,9 @@ def attach(model: PreTrainedModel) -> PreTrainedModel:
     AttentionMaskInterface.register(ATTENTION_NAME, kvbudget_mask)
     modules = _attention_modules(model)
     if not modules:
-        raise UnsupportedModelError(f"no attention modules with q_proj/k_proj found in {type(model).__name__}")
+        raise UnsupportedModelError(
+            f"no attention modules with q_proj/k_proj found in {type(model).__name__}"
+        )
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     model._kvbudget_hooks = [m.register_forward_pre_hook(_inject_cache, with_kwargs=True) for m in modules]

@@ -187,9 +187,13 @@ class BudgetLayer(DynamicLayer):
         if name in self.state:
             return
         if self.is_ragged:
-            self.state[name] = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.positions]
+            self.state[name] = [
+                torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.positions
+            ]
         else:
-            self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
+            self.state[name] = torch.zeros(
+                self.positions.shape, dtype=torch.float32, device=self.positions.device
+            )
 
     def invalidate_new_tokens(self, new_token_valid: torch.Tensor) -> None:
         """Mark the last ``q`` appended tokens invalid where ``new_token_valid: [batch, q]`` is False."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvbudget.attention import attach
+from kvbudget.attention import attach, check_supported
 from kvbudget.cache import BudgetCache, CacheStats, full_cache_stats
 from kvbudget.errors import BudgetError, InputError
 from kvbudget.methods.base import Method
@@ -39,6 +39,8 @@ class GenerationResult:
         timings: ``prefill``, ``compress``, ``decode`` (and what other stages add), seconds.
         prompt_tokens: prompt length in tokens.
         method: the method's name; options: its hyperparameters.
+        selection_layer: the layer where a prune-stage method cut the prompt (None otherwise).
+        cache: the cache after generation, when ``generate(..., return_cache=True)``.
     """
 
     text: str
@@ -54,21 +56,32 @@ class GenerationResult:
     method: str
     options: dict[str, Any] = field(default_factory=dict)
     selection_layer: int | None = None
+    cache: BudgetCache | None = None
 
 
 @dataclass
 class Prompt:
-    """A tokenised prompt split where the context ends (for question-agnostic compression)."""
+    """A tokenised prompt split where the context ends (for question-agnostic compression).
+
+    ``marked``: positions of the tokens covering the ``mark`` text given to :func:`build_prompt`.
+    """
 
     context_ids: list[int]
     question_ids: list[int]
+    marked: list[int] = field(default_factory=list)
 
     @property
     def ids(self) -> list[int]:
         return self.context_ids + self.question_ids
 
 
-def build_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str = "", answer_prefix: str = "") -> Prompt:
+def build_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str = "",
+    answer_prefix: str = "",
+    mark: str | None = None,
+) -> Prompt:
     """Tokenise ``context`` + ``question`` with the chat template (when the tokenizer has one).
 
     The user message is the context, a blank line and the question; the answer prefix follows the
@@ -90,7 +103,15 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str
         tail = (f"\n\n{question}\n" if question else "\n") + answer_prefix
         head_ids = tokenizer(head, add_special_tokens=True)["input_ids"]
     tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
-    return Prompt(head_ids, tail_ids)
+    marked: list[int] = []
+    if mark:
+        if mark not in context:
+            raise InputError("mark must be a substring of the context")
+        start = head.rindex(context) + context.index(mark)
+        stop = start + len(mark)
+        encoded = tokenizer(head, add_special_tokens=not tokenizer.chat_template, return_offsets_mapping=True)
+        marked = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < stop and b > start]
+    return Prompt(head_ids, tail_ids, marked)
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +161,9 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
     return ids
 
 
-def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+def _next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> torch.Tensor:
     """``logits: [b, vocab]`` → ``[b]`` token ids (greedy when ``temperature == 0``)."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -221,6 +244,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    return_cache: bool = False,
 ) -> GenerationResult | list[GenerationResult]:
     """Compress the prompt's KV cache with ``method`` and generate an answer.
 
@@ -234,10 +258,12 @@ def generate(
         compress_context_only: question-agnostic mode — compress the context, then append the
             question uncompressed.
         temperature, top_p, seed: sampling (greedy when ``temperature == 0``).
+        return_cache: keep the cache on the result (``result.cache``) for inspection.
 
     Returns:
         A :class:`GenerationResult`, or a list of them for a batch.
     """
+    check_supported(model)
     batch = isinstance(context, list)
     contexts = context if batch else [context]
     questions = question if isinstance(question, list) else [question] * len(contexts)
@@ -251,7 +277,9 @@ def generate(
         budget = 128
     max_context = _max_context(model)
     _check_budget(method_obj, budget, ratio, max_context)
-    prompts = [build_prompt(tokenizer, c, q, a) for c, q, a in zip(contexts, questions, prefixes, strict=True)]
+    prompts = [
+        build_prompt(tokenizer, c, q, a) for c, q, a in zip(contexts, questions, prefixes, strict=True)
+    ]
     lengths = [len(p.ids) for p in prompts]
     for length in lengths:
         if length + max_new_tokens > max_context:
@@ -259,7 +287,9 @@ def generate(
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the model's context "
                 f"of {max_context} tokens"
             )
-    _check_ratio_budgets(method_obj, ratio, [len(p.context_ids) if compress_context_only else len(p.ids) for p in prompts])
+    _check_ratio_budgets(
+        method_obj, ratio, [len(p.context_ids) if compress_context_only else len(p.ids) for p in prompts]
+    )
 
     config = model.config
     session = CompressionSession(method_obj, config.num_hidden_layers, budget=budget, ratio=ratio)
@@ -323,6 +353,7 @@ def generate(
                 prompt_tokens=len(prompt.ids),
                 method=method_obj.name,
                 options=method_obj.options(),
+                cache=cache if return_cache else None,
             )
         )
     return results if batch else results[0]
@@ -343,12 +374,15 @@ def compress(
     continues from it (decode-stage methods keep trimming). Pass the prompt without its last
     token here and the whole prompt to ``generate``.
     """
+    check_supported(model)
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
     _check_budget(method_obj, budget, ratio, _max_context(model))
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise InputError(f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}")
+        raise InputError(
+            f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}"
+        )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())

@@ -92,7 +92,9 @@ class Observation:
             return self._memo["colsum"]
         q = self.query.shape[2]
         n = self.keys.shape[2]
-        total = torch.zeros((self.query.shape[0], self.query.shape[1], n), dtype=torch.float32, device=self.keys.device)
+        total = torch.zeros(
+            (self.query.shape[0], self.query.shape[1], n), dtype=torch.float32, device=self.keys.device
+        )
         query_valid = self.positions[:, 0, n - q :] >= 0  # [b, q]
         for start in range(0, q, chunk):
             stop = min(start + chunk, q)

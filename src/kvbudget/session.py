@@ -38,7 +38,9 @@ class CompressionSession:
         decode_seconds: time spent trimming during decoding.
     """
 
-    def __init__(self, method: Method, num_layers: int, budget: int | None = None, ratio: float | None = None):
+    def __init__(
+        self, method: Method, num_layers: int, budget: int | None = None, ratio: float | None = None
+    ):
         self.method = method
         self.num_layers = num_layers
         self.budget = budget
@@ -56,9 +58,13 @@ class CompressionSession:
             self.budget if self.budget is not None else max(1, round(self.ratio * length))
             for length in lengths.tolist()
         ]
-        self.targets = [None if b >= n else b for b, n in zip(self.row_budgets, lengths.tolist(), strict=True)]
+        self.targets = [
+            None if b >= n else b for b, n in zip(self.row_budgets, lengths.tolist(), strict=True)
+        ]
 
-    def after_attention(self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float) -> None:
+    def after_attention(
+        self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float
+    ) -> None:
         """Called by the attention hook once the layer's attention output is computed."""
         stages = self.method.stages
         if self.phase == "prefill" and "prefill" in stages:

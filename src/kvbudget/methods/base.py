@@ -50,12 +50,16 @@ class Method:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("window", "sinks", "kernel") and (not isinstance(value, int) or value < 0):
-                raise UnknownMethodError(f"{self.name}: option {f.name} must be an integer ≥ 0, got {value!r}")
+                raise UnknownMethodError(
+                    f"{self.name}: option {f.name} must be an integer ≥ 0, got {value!r}"
+                )
         if getattr(self, "pooling", "none") not in ("max", "avg", "none"):
             raise UnknownMethodError(f"{self.name}: pooling must be max, avg or none, got {self.pooling!r}")
         kernel = getattr(self, "kernel", 1)
         if kernel % 2 == 0:
-            raise UnknownMethodError(f"{self.name}: kernel must be odd (the pooled length is preserved), got {kernel}")
+            raise UnknownMethodError(
+                f"{self.name}: kernel must be odd (the pooled length is preserved), got {kernel}"
+            )
 
     def options(self) -> dict[str, Any]:
         """The method's hyperparameters and their values."""
@@ -144,6 +148,8 @@ class Method:
         budgets = lengths.clone()
         for r, budget in enumerate(row_budgets):
             if int(lengths[r].max()) > budget:
-                protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(budget), self.sinks)[0]
+                protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(budget), self.sinks)[
+                    0
+                ]
                 budgets[r] = budget
         obs.layer.keep(select_keep(scores, budgets, valid, protected))

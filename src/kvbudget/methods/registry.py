@@ -95,4 +95,6 @@ def resolve_method(method: str | Method) -> Method:
         return method
     if isinstance(method, str):
         return make_method(method)
-    raise UnknownMethodError(f"method must be a registry name or a Method object, got {type(method).__name__}")
+    raise UnknownMethodError(
+        f"method must be a registry name or a Method object, got {type(method).__name__}"
+    )

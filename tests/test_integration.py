@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from method_matrix import ALL_METHODS, DECODE_METHODS
 
 import kvbudget
 from kvbudget.engine import build_prompt
 from kvbudget.eval.needle import needle_sample
+from method_matrix import ALL_METHODS, DECODE_METHODS
 
 pytestmark = pytest.mark.integration
 
@@ -32,16 +32,22 @@ def _run(model_and_tokenizer, sample, **kwargs):
     )  # fmt: skip
 
 
-def test_full_cache_finds_the_needle(model_and_tokenizer, needle_1k):
-    result = _run(model_and_tokenizer, needle_1k, method="full")
-    assert needle_1k.answers[0] in result.text, result.text
+@pytest.fixture(scope="module")
+def full_1k(model_and_tokenizer, needle_1k):
+    return _run(model_and_tokenizer, needle_1k, method="full")
 
 
-@pytest.mark.parametrize("name", ALL_METHODS)
-def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(name, model_and_tokenizer, needle_1k):
-    full = _run(model_and_tokenizer, needle_1k, method="full", max_new_tokens=8)
-    budget = full.prompt_tokens + (8 if name in DECODE_METHODS else 0)
-    result = _run(model_and_tokenizer, needle_1k, method=name, budget=budget, max_new_tokens=8)
+def test_full_cache_finds_the_needle(full_1k, needle_1k):
+    assert needle_1k.answers[0] in full_1k.text, full_1k.text
+
+
+@pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])
+def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(
+    name, model_and_tokenizer, needle_1k, full_1k
+):
+    full = full_1k
+    budget = full.prompt_tokens + (len(full.token_ids) if name in DECODE_METHODS else 0)
+    result = _run(model_and_tokenizer, needle_1k, method=name, budget=budget)
     assert result.token_ids == full.token_ids
 
 
@@ -51,7 +57,7 @@ def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_
     result = _run(model_and_tokenizer, needle_1k, method=name, budget=budget, max_new_tokens=6)
     layers, heads = 30, 3
     assert result.budgets.shape == (layers, heads)
-    assert result.text.strip()
+    assert len(result.token_ids) == 6 or result.token_ids[-1] == model_and_tokenizer[1].eos_token_id
     entries = result.cache_stats_after.entries
     assert int(entries.sum()) <= layers * heads * budget * 1.1  # pyramid's floored step may add a little
     assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 5
@@ -60,7 +66,9 @@ def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_
 def test_ada_snapkv_saves_real_memory_with_skewed_head_budgets(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     sample = needle_sample(tokenizer, length=2000, depth=0.3, haystack="essays", seed=2)
-    result = _run(model_and_tokenizer, sample, method="ada-snapkv", budget=64, max_new_tokens=1, return_cache=True)
+    result = _run(
+        model_and_tokenizer, sample, method="ada-snapkv", budget=64, max_new_tokens=1, return_cache=True
+    )
     stats = result.cache_stats_after
     layers, heads, head_dim = 30, 3, 64
     assert result.prompt_tokens > 1900
@@ -68,7 +76,9 @@ def test_ada_snapkv_saves_real_memory_with_skewed_head_budgets(model_and_tokeniz
     assert stats.logical_bytes == 64 * layers * heads * head_dim * 2 * 4  # fp32 keys + values
     assert stats.physical_bytes <= 1.15 * stats.logical_bytes
     assert result.budgets.sum(1).eq(64 * heads).all()  # every layer's heads share its total exactly
-    assert (result.budgets.max(1).values - result.budgets.min(1).values).gt(0).sum() >= layers // 2  # they vary
+    assert (result.budgets.max(1).values - result.budgets.min(1).values).gt(
+        0
+    ).sum() >= layers // 2  # they vary
     assert any(layer.is_ragged for layer in result.cache.layers)
 
 

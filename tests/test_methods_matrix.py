@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
-from method_matrix import ALL_METHODS, COMPRESSING_METHODS, DECODE_METHODS, small
 from transformers import AttentionInterface
 
 import kvbudget
+from conftest import tiny_model
 from kvbudget.cache import BudgetCache
+from method_matrix import ALL_METHODS, COMPRESSING_METHODS, DECODE_METHODS, small
 
 CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
 QUESTION = "What does the fox do?"
@@ -41,7 +41,11 @@ def test_compression_keeps_the_budget(name, llama):
         per_layer = stats.entries.sum(1)
         assert per_layer[0] > per_layer[-1]  # pyramid: bottom keeps more than top
         # the floored step of the paper's formula can only add, by < layers·(layers−1)/2 per head
-        assert layers * heads * budget <= stats.entries.sum() < heads * (layers * budget + layers * (layers - 1) / 2)
+        assert (
+            layers * heads * budget
+            <= stats.entries.sum()
+            < heads * (layers * budget + layers * (layers - 1) / 2)
+        )
         # PyramidKV's formula by hand (window 4, β 20, 120 tokens): B' = 20, min 1, max 39, step 12
         assert per_layer.tolist() == [heads * (39 - 12 * layer + 4) for layer in range(layers)]
     else:

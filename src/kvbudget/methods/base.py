@@ -85,6 +85,12 @@ class Method:
         """Entries per head for layer ``layer_idx`` (uniform by default)."""
         return min(budget, length)
 
+    def observe(self, obs: Observation) -> None:
+        """Update per-entry state from a forward (called every time, even when nothing is evicted).
+
+        Stateful scorers (H2O's accumulated attention) accumulate here; :meth:`score` reads it.
+        """
+
     def score(self, obs: Observation) -> torch.Tensor:
         """Importance of each entry, ``[b, kv_heads, n]`` (higher = keep)."""
         raise NotImplementedError
@@ -111,6 +117,7 @@ class Method:
         Returns:
             ``[b, kv_heads]`` entries kept per head.
         """
+        self.observe(obs)
         lengths = obs.lengths
         heads = obs.num_kv_heads
         kept = lengths[:, None].expand(-1, heads).clone().cpu()
@@ -136,13 +143,14 @@ class Method:
     def trim_to(self, obs: Observation, row_budgets: list[int]) -> None:
         """Evict the lowest-scored entries of rows holding more than their budget.
 
-        Decode-stage helper: scores with :meth:`score` (called every step, so stateful scorers
-        can accumulate) and keeps ``budget`` entries per head of every over-full row.
+        Decode-stage helper: :meth:`observe` runs every step (stateful scorers accumulate), then
+        every row holding more than its budget keeps ``budget`` entries per head by :meth:`score`.
         """
-        scores = self.score(obs)
+        self.observe(obs)
         lengths = obs.layer.head_lengths()  # [b, h]
         if all(int(lengths[r].max()) <= b for r, b in enumerate(row_budgets)):
             return
+        scores = self.score(obs)
         valid = obs.valid
         protected = torch.zeros_like(valid)
         budgets = lengths.clone()

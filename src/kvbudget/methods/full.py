@@ -25,3 +25,7 @@ class FullCache(Method):
 
     def score(self, obs: Observation) -> torch.Tensor:
         return torch.zeros(obs.positions.shape)
+
+    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        """Keeps the layer whole whatever the targets; returns ``[b, kv_heads]`` lengths."""
+        return obs.layer.head_lengths().cpu()

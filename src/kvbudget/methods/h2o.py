@@ -47,10 +47,12 @@ class H2O(Method):
     def window_for(self, budget: int) -> int:
         return budget - int(self.heavy_fraction * budget)
 
-    def score(self, obs: Observation) -> torch.Tensor:
+    def observe(self, obs: Observation) -> None:
         obs.layer.init_state("attention_received")
         received = reduce_group(obs.column_sums(self.chunk), obs.num_kv_heads, "mean")
         obs.layer.state["attention_received"] += received
+
+    def score(self, obs: Observation) -> torch.Tensor:
         return obs.layer.state["attention_received"]
 
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:

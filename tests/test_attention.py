@@ -1,0 +1,62 @@
+"""The kvbudget attention hook is exact when nothing is compressed (vs plain sdpa, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+import kvbudget
+from kvbudget.cache import BudgetCache
+
+
+def _logits(model, ids, mask=None, cache=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_hook_equals_sdpa_without_compression(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(3, 90, (2, 64), generator=torch.Generator().manual_seed(0))
+    reference = _logits(model, ids)
+    with kvbudget.attached(model):
+        no_cache = _logits(model, ids)
+        budget_cache = _logits(model, ids, cache=BudgetCache(model.config.num_hidden_layers))
+        dynamic_cache = _logits(model, ids, cache=DynamicCache())
+    for out in (no_cache, budget_cache, dynamic_cache):
+        assert torch.allclose(out, reference, atol=1e-5), (out - reference).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hook_equals_sdpa_with_left_padding_and_chunked_prefill(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0  # row 1 is left-padded
+    reference = _logits(model, ids, mask)
+    with kvbudget.attached(model):
+        cache = BudgetCache(model.config.num_hidden_layers)
+        first = _logits(model, ids[:, :30], mask[:, :30], cache)  # prefill in two chunks
+        second = _logits(model, ids[:, 30:], mask, cache)
+        dynamic = DynamicCache()
+        _logits(model, ids[:, :30], mask[:, :30], dynamic)
+        second_dynamic = _logits(model, ids[:, 30:], mask, dynamic)
+    chunked = torch.cat([first, second], dim=1)
+    real = mask.bool()
+    assert torch.allclose(chunked[real], reference[real], atol=1e-5), (chunked - reference)[real].abs().max()
+    assert torch.allclose(second_dynamic[real[:, 30:]], reference[:, 30:][real[:, 30:]], atol=1e-5)
+    assert cache.get_seq_length() == 48
+    assert int(cache.stats().entries[0, 0]) == 48 + 37  # pads are not entries
+
+
+@pytest.mark.integration
+def test_hook_equals_sdpa_on_the_real_model(real_model):
+    model, tokenizer = real_model
+    kvbudget.detach(model)
+    ids = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"]])
+    reference = _logits(model, ids)
+    with kvbudget.attached(model):
+        out = _logits(model, ids, cache=BudgetCache(model.config.num_hidden_layers))
+    assert torch.allclose(out, reference, atol=1e-5), (out - reference).abs().max()

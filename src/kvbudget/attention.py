@@ -197,7 +197,7 @@ def kvbudget_attention(
     out = attend_layer(query, layer, scale)
     if cache.session is not None:
         cache.session.after_attention(layer_idx, query, layer, scale)
-        cache.note_memory()
+        cache.note_memory(layer_idx)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -220,6 +220,9 @@ class BudgetLayer(DynamicLayer):
         """
         b, h = len(keep_indices), self.num_heads
         counts = [[int(keep_indices[r][i].numel()) for i in range(h)] for r in range(b)]
+        if not self.is_ragged and len({c for row in counts for c in row}) == 1:
+            self._keep_rectangular(torch.stack([torch.stack(row) for row in keep_indices]))
+            return
         head_len = [max(counts[r][i] for r in range(b)) for i in range(h)]
         new_k, new_v, new_p = [], [], []
         new_state: dict[str, list[torch.Tensor]] = {name: [] for name in self.state}
@@ -241,6 +244,16 @@ class BudgetLayer(DynamicLayer):
                 new_state[name].append(self.head_state(name, i).gather(1, idx))
         self._store(new_k, new_v, new_p, new_state)
         self.has_invalid = padded or any(bool((p < 0).any()) for p in new_p)
+
+    def _keep_rectangular(self, idx: torch.Tensor) -> None:
+        """Fast path of :meth:`keep`: every row and head keeps as many entries; ``idx: [b, h, k]``."""
+        idx = idx.to(self.keys.device)
+        expanded = idx[..., None].expand(*idx.shape, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, expanded)
+        self.values = self.values.gather(2, idx[..., None].expand(*idx.shape, self.values.shape[-1]))
+        self.positions = self.positions.gather(2, idx)
+        self.state = {name: s.gather(2, idx) for name, s in self.state.items()}
+        self.has_invalid = bool((self.positions < 0).any())
 
     def _store(
         self,
@@ -336,6 +349,8 @@ class BudgetCache(Cache):
         self.session = session
         self.attention_attached = False
         self.peak_physical_bytes = 0
+        self._layer_bytes = [0] * num_layers
+        self._total_bytes = 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -347,12 +362,15 @@ class BudgetCache(Cache):
                 "call kvbudget.attach(model) first"
             )
         out = layer.update(key_states, value_states)
-        self.note_memory()
+        self.note_memory(layer_idx)
         return out
 
-    def note_memory(self) -> None:
-        """Record the current physical bytes in ``peak_physical_bytes``."""
-        self.peak_physical_bytes = max(self.peak_physical_bytes, self.physical_bytes())
+    def note_memory(self, layer_idx: int) -> None:
+        """Account layer ``layer_idx``'s current size and update ``peak_physical_bytes``."""
+        size = self.layers[layer_idx].physical_bytes()
+        self._total_bytes += size - self._layer_bytes[layer_idx]
+        self._layer_bytes[layer_idx] = size
+        self.peak_physical_bytes = max(self.peak_physical_bytes, self._total_bytes)
 
     def physical_bytes(self) -> int:
         return sum(layer.physical_bytes() for layer in self.layers)

@@ -42,7 +42,9 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = kvbudget.load_model("smollm2-135m")
     sample = needle_sample(tokenizer, args.length, args.depth, "essays", args.seed)
-    prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, mark=sample.meta["needle"])
+    prompt = build_prompt(
+        tokenizer, sample.context, sample.question, sample.answer_prefix, mark=sample.meta["needle"]
+    )
     needle = torch.tensor(prompt.marked)
     print(f"prompt {len(prompt.ids)} tokens, needle tokens {needle.tolist()[0]}..{needle.tolist()[-1]}")
     print("columns: layers 0..29; cell = needle tokens kept (min over KV heads), of", len(needle))
@@ -55,10 +57,15 @@ def main() -> None:
             )  # fmt: skip
             kept = []
             for layer in result.cache.layers:
-                kept.append(min(int(torch.isin(layer.head(h)[2][0], needle).sum()) for h in range(layer.num_heads)))
+                kept.append(
+                    min(int(torch.isin(layer.head(h)[2][0], needle).sum()) for h in range(layer.num_heads))
+                )
             mode = "agnostic" if agnostic else "aware   "
             found = "found" if sample.answers[0] in result.text else "lost "
-            print(f"{mode} ratio {ratio:4.2f} {found} {result.text.strip()[:14]!r:18} " + " ".join(f"{k:2d}" for k in kept))
+            print(
+                f"{mode} ratio {ratio:4.2f} {found} {result.text.strip()[:14]!r:18} "
+                + " ".join(f"{k:2d}" for k in kept)
+            )
             if ratio == 0.1:
                 ranks = []
                 for layer_idx in range(len(result.cache.layers)):
@@ -66,7 +73,10 @@ def main() -> None:
                     candidates = s[:, : s.shape[1] - method.window]
                     best = candidates[:, needle].amax(1, keepdim=True)
                     ranks.append(float((candidates < best).float().mean(1).max()) * 100)
-                print(f"{mode} needle best-token score percentile per layer: " + " ".join(f"{r:3.0f}" for r in ranks))
+                print(
+                    f"{mode} needle best-token score percentile per layer: "
+                    + " ".join(f"{r:3.0f}" for r in ranks)
+                )
 
 
 if __name__ == "__main__":

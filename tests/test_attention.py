@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import DynamicCache
 
 import kvbudget
+from conftest import tiny_model
 from kvbudget.cache import BudgetCache
 
 

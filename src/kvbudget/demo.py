@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -56,9 +57,11 @@ def run_demo(
         f"[bold]needle demo[/bold]: {model}, {prompt_len}-token prompt, needle at depth 50% "
         f"({len(prompt.marked)} tokens from position {prompt.marked[0]}), answer {sample.answers[0]}"
     )
-    table = Table(title="answers and cache size")
-    for column in ("method", "budget", "answer", "found", "logical KV", "physical KV", "TTFT", "TPOT"):
-        table.add_column(column)
+    table = Table(title="answers, KV bytes and speed", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("method", "budget", "answer", "found", "logical", "physical", "TTFT s", "TPOT ms"):
+        table.add_column(
+            column, no_wrap=True, max_width=10 if column == "answer" else None, min_width=len(column)
+        )
     lines = [
         f"# kvbudget demo — {time.strftime('%Y-%m-%d %H:%M')}",
         "",
@@ -86,9 +89,7 @@ def run_demo(
         ]  # fmt: skip
         table.add_row(*row)
         lines.append("| " + " | ".join(row[:6]) + f" | {row[6]} | {row[7]} | `{strip}` |")
-        console.print(
-            f"  {method:>10} budget {str(budget or 'all'):>5}: needle tokens kept per layer  {strip}"
-        )
+        console.print(f"{method:>10} {str(budget or 'all'):>5}  needle kept, layers 0→29: {strip}")
     console.print(table)
     lines += [
         "",

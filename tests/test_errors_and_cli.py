@@ -156,3 +156,14 @@ def test_compress_context_only_appends_the_question_uncompressed(llama, chat_tok
     assert int(aware.cache_stats_after.entries[0, 0]) == 40
     assert agnostic.cache.get_seq_length() == aware.cache.get_seq_length()
     assert torch.equal(agnostic.budgets, torch.full_like(agnostic.budgets, 40))
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(llama, chat_tokenizer):
+    def run(**kw):
+        return kvbudget.generate(llama, chat_tokenizer, CONTEXT, "Why?", method="snapkv", budget=40,
+                                 max_new_tokens=10, **kw).token_ids  # fmt: skip
+
+    greedy = run()
+    assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
+    assert any(run(temperature=5.0, seed=s) != greedy for s in range(3))
+    assert run(temperature=1.0, top_p=1e-6, seed=1) == greedy  # only the top token survives

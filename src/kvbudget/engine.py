@@ -151,7 +151,7 @@ def _check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int]
             )
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):
@@ -195,6 +195,51 @@ def _max_context(model: PreTrainedModel) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
 
+@dataclass
+class PrefillInputs:
+    """A left-padded batch ready to prefill.
+
+    Attributes:
+        ids, mask, positions: ``[b, T]`` token ids, padding mask and RoPE positions.
+        compressed_until: the prefill's first chunk ``ids[:, :compressed_until]`` is the part
+            compressed; the rest (the question, question-agnostic mode) is appended uncompressed.
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    compressed_until: int
+
+
+def prefill_inputs(prompts: list[Prompt], pad_id: int, compress_context_only: bool = False) -> PrefillInputs:
+    """Left-pad ``prompts``; in question-agnostic mode the context and question are padded apart."""
+    if compress_context_only:
+        ctx_ids, ctx_mask = _left_pad([p.context_ids for p in prompts], pad_id)
+        q_ids, q_mask = _left_pad([p.question_ids or [pad_id] for p in prompts], pad_id)
+        for r, p in enumerate(prompts):
+            if not p.question_ids:
+                q_mask[r] = 0
+        ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
+        cut = ctx_ids.shape[1]
+    else:
+        ids, mask = _left_pad([p.ids for p in prompts], pad_id)
+        cut = ids.shape[1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return PrefillInputs(ids, mask, positions, cut)
+
+
+def append_uncompressed(
+    model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
+) -> torch.Tensor | None:
+    """Prefill the part after ``compressed_until`` with the session off; its last logits, or None."""
+    if inputs.compressed_until == inputs.ids.shape[1]:
+        return None
+    if cache.session is not None:
+        cache.session.phase = "off"
+    cut = inputs.compressed_until
+    return _forward(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
+
+
 @torch.inference_mode()
 def prefill(
     model: PreTrainedModel,
@@ -210,23 +255,62 @@ def prefill(
     """
     attach(model)
     cache = BudgetCache(model.config.num_hidden_layers, session)
-    if compress_context_only:
-        ctx_ids, ctx_mask = _left_pad([p.context_ids for p in prompts], pad_id)
-        q_ids, q_mask = _left_pad([p.question_ids or [pad_id] for p in prompts], pad_id)
-        for r, p in enumerate(prompts):
-            if not p.question_ids:
-                q_mask[r] = 0
-        ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
-        chunks = [(0, ctx_ids.shape[1], "prefill"), (ctx_ids.shape[1], ids.shape[1], "off")]
-    else:
-        ids, mask = _left_pad([p.ids for p in prompts], pad_id)
-        chunks = [(0, ids.shape[1], "prefill")]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = None
-    for start, stop, phase in chunks:
-        session.phase = phase
-        logits = _forward(model, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], cache)
-    return cache, logits, mask, positions[:, -1]
+    inputs = prefill_inputs(prompts, pad_id, compress_context_only)
+    cut = inputs.compressed_until
+    session.phase = "prefill"
+    logits = _forward(model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache)
+    question_logits = append_uncompressed(model, inputs, cache)
+    logits = logits if question_logits is None else question_logits
+    return cache, logits, inputs.mask, inputs.positions[:, -1]
+
+
+@dataclass
+class Decoded:
+    """Output of :func:`decode_loop`: per row the generated ids, plus step count and time."""
+
+    generated: list[list[int]]
+    steps: int
+    seconds: float
+
+
+@torch.inference_mode()
+def decode_loop(
+    model: PreTrainedModel,
+    cache: BudgetCache,
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    last_pos: torch.Tensor,
+    eos: set[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """Generate from ``logits: [b, vocab]`` (the prompt's last position) until EOS or the limit.
+
+    The first token is chosen from ``logits``; the session (if any) is put in decode phase, so
+    decode-stage methods trim after every step. ``Decoded.seconds`` excludes the first token.
+    """
+    generator = generator or torch.Generator().manual_seed(0)
+    if cache.session is not None:
+        cache.session.phase = "decode"
+    token = _next_token(logits, temperature, top_p, generator)
+    generated = [[int(t)] for t in token]
+    finished = torch.tensor([int(t) in eos for t in token])
+    steps, start = 0, time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        if bool(finished.all()):
+            break
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
+        last_pos = last_pos + 1
+        logits = _forward(model, token[:, None], mask, last_pos[:, None], cache)
+        token = _next_token(logits, temperature, top_p, generator)
+        steps += 1
+        for r, t in enumerate(token.tolist()):
+            if not finished[r]:
+                generated[r].append(t)
+                finished[r] = t in eos
+    return Decoded(generated, steps, time.perf_counter() - start)
 
 
 @torch.inference_mode()
@@ -294,32 +378,19 @@ def generate(
     config = model.config
     session = CompressionSession(method_obj, config.num_hidden_layers, budget=budget, ratio=ratio)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     generator = torch.Generator().manual_seed(seed)
 
     start = time.perf_counter()
     cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only)
-    token = _next_token(logits, temperature, top_p, generator)
-    ttft = time.perf_counter() - start
+    prefill_seconds = time.perf_counter() - start
     stats_after = [cache.stats(r) for r in range(len(prompts))]
-
-    session.phase = "decode"
-    generated = [[int(t)] for t in token]
-    finished = torch.tensor([int(t) in eos for t in token])
-    steps, decode_start = 0, time.perf_counter()
-    for _ in range(max_new_tokens - 1):
-        if bool(finished.all()):
-            break
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
-        last_pos = last_pos + 1
-        logits = _forward(model, token[:, None], mask, last_pos[:, None], cache)
-        token = _next_token(logits, temperature, top_p, generator)
-        steps += 1
-        for r, t in enumerate(token.tolist()):
-            if not finished[r]:
-                generated[r].append(t)
-                finished[r] = t in eos
-    decode_time = time.perf_counter() - decode_start
+    start = time.perf_counter()
+    decoded = decode_loop(
+        model, cache, logits, mask, last_pos, eos, max_new_tokens, temperature, top_p, generator
+    )  # fmt: skip
+    ttft = prefill_seconds + (time.perf_counter() - start - decoded.seconds)  # + choosing the first token
+    generated, steps, decode_time = decoded.generated, decoded.steps, decoded.seconds
 
     entry_bytes = cache.layers[0].entry_bytes()
     results = []
@@ -327,11 +398,7 @@ def generate(
         ids = generated[r]
         text_ids = ids[:-1] if ids and ids[-1] in eos else ids
         compressed_len = len(prompt.context_ids) if compress_context_only else len(prompt.ids)
-        budgets = (
-            session.budgets[r]
-            if session.budgets is not None
-            else torch.full((config.num_hidden_layers, config.num_key_value_heads), compressed_len)
-        )
+        budgets = session.budgets[r]
         results.append(
             GenerationResult(
                 text=tokenizer.decode(text_ids, skip_special_tokens=True),

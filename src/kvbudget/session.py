@@ -3,7 +3,8 @@
 The engine creates one per run and puts it on the :class:`~kvbudget.cache.BudgetCache`. Its
 ``phase`` says what the next forward is: ``"prefill"`` (compress each layer right after its
 attention, so peak memory stays near one full layer plus the compressed rest), ``"decode"``
-(decode-stage methods trim each layer back to budget after every step) or ``"off"``.
+(decode-stage methods trim each layer back to budget after every step), ``"record"`` (keep each
+layer's queries and compress nothing: the shared prefill of :mod:`kvbudget.snapshot`) or ``"off"``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class CompressionSession:
         self.targets: list[int | None] | None = None
         self.compress_seconds = 0.0
         self.decode_seconds = 0.0
+        self.recorded_queries: dict[int, torch.Tensor] = {}
+        self.scaling: float | None = None
 
     def resolve(self, lengths: torch.Tensor) -> None:
         """Set ``row_budgets`` and ``targets`` from the valid prompt ``lengths: [b]``."""
@@ -67,15 +70,23 @@ class CompressionSession:
     ) -> None:
         """Called by the attention hook once the layer's attention output is computed."""
         stages = self.method.stages
-        if self.phase == "prefill" and "prefill" in stages:
+        if self.phase == "record":
+            self.recorded_queries[layer_idx] = query
+            self.scaling = scaling
+        elif self.phase == "prefill":
             start = time.perf_counter()
-            obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
-            if self.targets is None:
-                self.resolve(obs.lengths)
-            kept = self.method.compress(obs, self.targets)
+            if "prefill" in stages:
+                obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+                if self.targets is None:
+                    self.resolve(obs.lengths)
+                kept = self.method.compress(obs, self.targets)
+            else:
+                if self.targets is None:
+                    self.resolve(layer.head_lengths()[:, 0])
+                kept = layer.head_lengths().cpu()
             if self.budgets is None:
                 self.budgets = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
-            self.budgets[:, layer_idx] = kept.cpu()
+            self.budgets[:, layer_idx] = kept
             self.compress_seconds += time.perf_counter() - start
         elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
             start = time.perf_counter()

@@ -1,0 +1,65 @@
+"""Shared prefill: deriving a cache from a snapshot equals compressing during the prefill, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvbudget
+from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
+from kvbudget.snapshot import derive, take_snapshot
+from method_matrix import ALL_METHODS, small
+
+CONTEXTS = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3,
+    "Short context here. " * 5,
+]
+QUESTIONS = ["What does the fox do?", "What is here?"]
+
+
+def _layers_equal(a, b) -> bool:
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for h in range(la.num_heads):
+            ka, va, pa = la.head(h)
+            kb, vb, pb = lb.head(h)
+            if not (torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(pa, pb)):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat_tokenizer):
+    budget = 40
+    layer_wise = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXTS, QUESTIONS, method=small(name), budget=budget, max_new_tokens=10,
+        compress_context_only=agnostic, return_cache=True,
+    )  # fmt: skip
+    prompts = [build_prompt(chat_tokenizer, c, q) for c, q in zip(CONTEXTS, QUESTIONS, strict=True)]
+    inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id, compress_context_only=agnostic)
+    snapshot = take_snapshot(llama, inputs)
+    cache, logits = derive(llama, snapshot, small(name), budget=budget)
+    if agnostic:
+        prefix = inputs.compressed_until
+        assert cache.get_seq_length() == inputs.ids.shape[1] > prefix
+    assert torch.equal(cache.session.budgets, torch.stack([r.budgets for r in layer_wise]))
+    decoded = decode_loop(
+        llama, cache, logits, inputs.mask, inputs.positions[:, -1], eos_ids(llama, chat_tokenizer), 10
+    )
+    assert decoded.generated == [r.token_ids for r in layer_wise]
+    assert _layers_equal(cache, layer_wise[0].cache)
+
+
+def test_one_snapshot_serves_many_methods_unchanged(llama, chat_tokenizer):
+    prompts = [build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])]
+    inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id)
+    snapshot = take_snapshot(llama, inputs)
+    before = [t.clone() for t in (snapshot.cache.layers[0].keys, snapshot.cache.layers[0].positions)]
+    first, _ = derive(llama, snapshot, small("ada-snapkv"), budget=30)
+    for name in ("h2o", "snapkv", "streamingllm"):
+        derive(llama, snapshot, small(name), budget=20)
+    again, _ = derive(llama, snapshot, small("ada-snapkv"), budget=30)
+    assert _layers_equal(first, again)
+    assert torch.equal(before[0], snapshot.cache.layers[0].keys)
+    assert torch.equal(before[1], snapshot.cache.layers[0].positions)
+    assert int(snapshot.cache.stats().entries[0, 0]) == len(prompts[0].ids)

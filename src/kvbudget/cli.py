@@ -154,6 +154,81 @@ def fetch(
         raise KVBudgetError(f"unknown artifact kind '{what}': expected 'model' or 'data'")
 
 
+def _split(values: list[str] | None) -> list[str]:
+    """``["a,b", "c"]`` → ``["a", "b", "c"]`` (options may be repeated or comma-separated).
+
+    Method specs keep their own options: ``snapkv:window=64,kernel=5`` stays one item.
+    """
+    items: list[str] = []
+    for value in values or []:
+        for part in value.split(","):
+            if "=" in part and ":" not in part and items:
+                items[-1] += "," + part  # an option of the previous method spec
+            elif part.strip():
+                items.append(part.strip())
+    return items
+
+
+@app.command("eval")
+@user_errors
+def evaluate(
+    out: Annotated[Path, typer.Option(help="Results directory (results.jsonl, report).")] = Path("runs/eval"),
+    suite: Annotated[str | None, typer.Option(help="smoke, demo or standard.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model (default smollm2-135m).")] = None,
+    tasks: Annotated[list[str] | None, typer.Option(help="Tasks (comma-separated or repeated).")] = None,
+    methods: Annotated[
+        list[str] | None, typer.Option(help="Methods, e.g. snapkv or snapkv:window=64.")
+    ] = None,
+    budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
+    lengths: Annotated[list[str] | None, typer.Option(help="Context lengths in tokens.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Samples per task and length.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sample seed.")] = None,
+    compress_context_only: Annotated[bool, typer.Option(help="Question-agnostic compression.")] = False,
+    shared: Annotated[bool, typer.Option(help="Share one prefill per sample across methods.")] = True,
+    dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16.")] = None,
+    report: Annotated[bool, typer.Option(help="Write the report when done.")] = True,
+) -> None:
+    """Run an evaluation grid into OUT/results.jsonl (resumes; errors become rows), then report."""
+    from kvbudget.eval.runner import EvalConfig, run_eval
+    from kvbudget.eval.suites import suite as named_suite
+
+    config = named_suite(suite, model) if suite else EvalConfig()
+
+    def ints(values: list[str] | None, what: str) -> list[int] | None:
+        try:
+            return [int(v) for v in _split(values)] or None
+        except ValueError:
+            raise KVBudgetError(f"--{what} expects integers, got {values}") from None
+
+    overrides = {
+        "model": model, "tasks": _split(tasks) or None, "methods": _split(methods) or None,
+        "budgets": ints(budgets, "budgets"), "lengths": ints(lengths, "lengths"),
+        "limit": limit, "seed": seed, "dtype": dtype,
+    }  # fmt: skip
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(config, key, value)
+    config.compress_context_only = compress_context_only or config.compress_context_only
+    config.shared = shared
+    results = run_eval(config, out)
+    console.print(f"results: [bold]{results}[/bold]")
+    if report:
+        from kvbudget.eval.report import write_report
+
+        console.print(f"report: [bold]{write_report(out)}[/bold]")
+
+
+@app.command("report")
+@user_errors
+def report_command(
+    out: Annotated[Path, typer.Argument(help="Results directory of `kvbudget eval`.")],
+) -> None:
+    """Write OUT/report.md and plots from OUT/results.jsonl."""
+    from kvbudget.eval.report import write_report
+
+    console.print(f"report: [bold]{write_report(out)}[/bold]")
+
+
 @app.command()
 @user_errors
 def demo(

@@ -39,6 +39,19 @@ def _budget_label(budget: Any) -> str:
     return "all" if budget is None else str(budget)
 
 
+def perplexity_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: methods × budgets of mean perplexity (lower is better)."""
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    lines = ["| method | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for (label,), mine in _group(rows, "label").items():
+        cells = [
+            _fmt(_mean([r["score"] for r in mine if r["budget"] in (b, None)]), 1, 2) if mine else "–"
+            for b in budgets
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def task_table(rows: list[dict]) -> list[str]:
     """Markdown lines: methods × budgets of mean score, with retention and fidelity columns."""
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
@@ -177,6 +190,9 @@ def write_report(out: Path) -> Path:
         "",
     ]
     for (task,), task_rows in _group(ok, "task").items():
+        if task_rows[0]["metric"] == "perplexity":
+            lines += [f"## {task} (perplexity, lower is better)", "", *perplexity_table(task_rows), ""]
+            continue
         lines += [f"## {task}", "", *task_table(task_rows), ""]
         png = out / f"score_vs_budget_{task}.png"
         plot_score_vs_budget(task_rows, task, png)
@@ -185,7 +201,7 @@ def write_report(out: Path) -> Path:
         lines += ["## Needle heatmaps", "", "![needle heatmaps](needle_heatmaps.png)", ""]
     if plot_budget_maps(ok, out / "budget_maps.png"):
         lines += ["## Budgets per layer and head", "", "![budget maps](budget_maps.png)", ""]
-    timing = _group(ok, "label")
+    timing = _group([r for r in ok if r["metric"] != "perplexity"], "label")
     lines += [
         "## Speed and memory",
         "",

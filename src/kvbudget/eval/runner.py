@@ -35,6 +35,7 @@ from kvbudget.eval.sample import Sample
 from kvbudget.eval.store import ResultStore, config_key
 from kvbudget.eval.tasks import get_task
 from kvbudget.eval.tasks.base import TaskSpec
+from kvbudget.eval.tasks.perplexity import chunked_perplexity
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method
 from kvbudget.session import CompressionSession
@@ -179,6 +180,9 @@ class Runner:
     def _run_sample(
         self, task: TaskSpec, length: int, index: int, sample: Sample, pending: list, bar: tqdm
     ) -> None:
+        if task.family == "perplexity":
+            self._run_perplexity(task, length, index, sample, pending, bar)
+            return
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
         snapshot = take_snapshot(self.model, inputs) if self.config.shared else None
@@ -251,6 +255,30 @@ class Runner:
             stats=stats.as_dict(),
             budgets=budgets,
         )
+
+    def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, bar) -> None:
+        """Perplexity rows: score = perplexity of the passage with the cache held at the budget."""
+        ids = torch.tensor([self.tokenizer(sample.context, add_special_tokens=False)["input_ids"]])
+        full = chunked_perplexity(self.model, ids, make_method("full"), None)
+        for spec, budget in pending:
+            row = self._base_row(task, length, index, sample, spec, budget)
+            start = time.perf_counter()
+            try:
+                result = (
+                    full if spec.name == "full" else chunked_perplexity(self.model, ids, spec.build(), budget)
+                )
+            except Exception as err:
+                self._record_error(task, length, index, sample, spec, budget, err)
+                bar.update(1)
+                continue
+            row.update(
+                prediction="", score=result.perplexity, full_score=full.perplexity, nll=result.nll,
+                scored_tokens=result.tokens, max_entries_per_head=result.max_entries_per_head,
+                prompt_tokens=ids.shape[1], seconds=time.perf_counter() - start, error=None,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            )  # fmt: skip
+            self.store.append(row)
+            bar.update(1)
 
     # ------------------------------------------------------------------ rows
     def _base_row(

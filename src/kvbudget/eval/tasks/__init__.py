@@ -7,7 +7,7 @@ import importlib
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.tasks.base import TaskSpec
 
-_MODULES = ("needle",)
+_MODULES = ("needle", "perplexity")
 
 
 def all_tasks() -> dict[str, TaskSpec]:

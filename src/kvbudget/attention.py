@@ -196,7 +196,7 @@ def kvbudget_attention(
             layer.invalidate_new_tokens(valid)
     out = attend_layer(query, layer, scale)
     if cache.session is not None:
-        cache.session.after_attention(layer_idx, query, layer, scale)
+        cache.session.after_attention(layer_idx, query, layer, scale, cache.layers)
         cache.note_memory(layer_idx)
     return out.transpose(1, 2).contiguous(), None
 

@@ -66,9 +66,18 @@ class CompressionSession:
         ]
 
     def after_attention(
-        self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        layer: BudgetLayer,
+        scaling: float,
+        layers: list[BudgetLayer] | None = None,
     ) -> None:
-        """Called by the attention hook once the layer's attention output is computed."""
+        """Called by the attention hook once the layer's attention output is computed.
+
+        ``layers``: all layers of the cache, for cascading methods that re-evict earlier layers
+        after each prefilled one (``Method.cascading``).
+        """
         stages = self.method.stages
         if self.phase == "record":
             self.recorded_queries[layer_idx] = query
@@ -80,6 +89,10 @@ class CompressionSession:
                 if self.targets is None:
                     self.resolve(obs.lengths)
                 kept = self.method.compress(obs, self.targets)
+                if self.method.cascading and layers is not None:
+                    self.method.rebalance(layers[: layer_idx + 1], self.targets)
+                    for earlier in range(layer_idx):
+                        self.budgets[:, earlier] = layers[earlier].head_lengths().cpu()
             else:
                 if self.targets is None:
                     self.resolve(layer.head_lengths()[:, 0])

@@ -92,7 +92,7 @@ def derive(
     cache.layers = [_shallow_copy(layer) for layer in snapshot.cache.layers]
     session.phase = "prefill"
     for layer_idx, layer in enumerate(cache.layers):
-        session.after_attention(layer_idx, snapshot.queries[layer_idx], layer, snapshot.scaling)
+        session.after_attention(layer_idx, snapshot.queries[layer_idx], layer, snapshot.scaling, cache.layers)
         cache.note_memory(layer_idx)
     logits = append_uncompressed(model, snapshot.inputs, cache)
     session.phase = "decode"

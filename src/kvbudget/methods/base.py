@@ -37,6 +37,8 @@ class Method:
     name: ClassVar[str] = "base"
     paper: ClassVar[str] = ""
     stages: ClassVar[tuple[str, ...]] = ("prefill",)
+    #: cascading methods re-evict earlier layers after each prefilled layer (:meth:`rebalance`)
+    cascading: ClassVar[bool] = False
 
     window: int = 32
     sinks: int = 0
@@ -135,6 +137,16 @@ class Method:
             kept[r] = self.head_budgets(scores[r], layer_budget, protected[r], valid[r])
         obs.layer.keep(select_keep(scores, kept, valid, protected))
         return kept
+
+    def rebalance(self, layers: list, targets: list[int | None]) -> None:
+        """Cascading methods: after ``layers[-1]`` was compressed, re-evict ``layers[:-1]``.
+
+        Layer budgets recomputed over the layers seen so far may only shrink; earlier layers are
+        re-evicted from scores they stored as per-entry state (``layer.state``), so the full
+        cache of an earlier layer is never needed again. Called in prefill order, in both the
+        layer-wise and the shared-prefill path.
+        """
+        raise NotImplementedError(f"{self.name} is not a cascading method")
 
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods)."""

@@ -186,6 +186,7 @@ def evaluate(
     compress_context_only: Annotated[bool, typer.Option(help="Question-agnostic compression.")] = False,
     shared: Annotated[bool, typer.Option(help="Share one prefill per sample across methods.")] = True,
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Cap on every task's answer length.")] = None,
     report: Annotated[bool, typer.Option(help="Write the report when done.")] = True,
 ) -> None:
     """Run an evaluation grid into OUT/results.jsonl (resumes; errors become rows), then report."""
@@ -203,7 +204,7 @@ def evaluate(
     overrides = {
         "model": model, "tasks": _split(tasks) or None, "methods": _split(methods) or None,
         "budgets": ints(budgets, "budgets"), "lengths": ints(lengths, "lengths"),
-        "limit": limit, "seed": seed, "dtype": dtype,
+        "limit": limit, "seed": seed, "dtype": dtype, "max_new_tokens": max_new_tokens,
     }  # fmt: skip
     for key, value in overrides.items():
         if value is not None:

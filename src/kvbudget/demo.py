@@ -1,4 +1,6 @@
-"""The demo behind ``make demo``: one long needle prompt, full cache vs SnapKV vs Ada-SnapKV.
+"""The demo behind ``make demo``: a needle table, then the ``demo`` evaluation suite.
+
+The table: one long needle prompt, full cache vs SnapKV vs Ada-SnapKV.
 
 For each method and budget (64, 128, 256 and half the prompt) it prints the answer, whether it
 holds the needle's number, logical/physical KV bytes, TTFT and TPOT, and how many of the
@@ -103,5 +105,20 @@ def run_demo(
     return report
 
 
+def main(out: Path = Path("demo-out")) -> None:
+    """``make demo``: the needle table, then the ``demo`` evaluation suite and its report."""
+    from kvbudget.eval.report import write_report
+    from kvbudget.eval.runner import run_eval
+    from kvbudget.eval.suites import suite
+
+    console = Console()
+    table = run_demo(out=out, console=console)
+    started = time.perf_counter()
+    run_eval(suite("demo"), out / "eval")
+    report = write_report(out / "eval")
+    console.print(f"demo suite finished in {time.perf_counter() - started:.0f} s")
+    console.print(f"needle table: [bold]{table}[/bold]\nevaluation report: [bold]{report}[/bold]")
+
+
 if __name__ == "__main__":
-    run_demo()
+    main()

@@ -84,6 +84,7 @@ class EvalConfig:
     compress_context_only: bool = False
     shared: bool = True
     dtype: str = "float32"
+    max_new_tokens: int | None = None  # caps every task's own generation length when set
 
 
 @dataclass
@@ -144,6 +145,8 @@ class Runner:
                 for index, sample in enumerate(
                     task.make_samples(self.tokenizer, length, self.config.limit, self.config.seed)
                 ):
+                    if self.config.max_new_tokens is not None:
+                        sample.max_new_tokens = min(sample.max_new_tokens, self.config.max_new_tokens)
                     yield task, length, index, sample
 
     def key(self, task: TaskSpec, sample: Sample, spec: MethodSpec, budget: int | None) -> str:

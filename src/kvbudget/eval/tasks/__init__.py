@@ -7,7 +7,7 @@ import importlib
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.tasks.base import TaskSpec
 
-_MODULES = ("needle", "perplexity")
+_MODULES = ("needle", "perplexity", "ruler")
 
 
 def all_tasks() -> dict[str, TaskSpec]:

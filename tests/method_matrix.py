@@ -17,6 +17,11 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "ada-snapkv": {"window": 4, "kernel": 3},
     "ada-pyramidkv": {"window": 4, "kernel": 3},
     "vatp": {"window": 4, "sinks": 2},
+    "lava": {"window": 4, "kernel": 3},
+    "lava-uniform": {"window": 4, "kernel": 3},
+    "lava-nohead": {"window": 4, "kernel": 3},
+    "lava-pyramid": {"window": 4, "kernel": 3},
+    "cake": {"window": 4},
 }
 
 ALL_METHODS = method_names()

@@ -5,6 +5,9 @@ Budgets count entries per KV head with the protected window included, as in the 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 
@@ -75,3 +78,141 @@ def adaptive_head_budgets(
     counts = torch.bincount(winners, minlength=heads).float()
     shares = counts * (1 - floor_alpha) + b_prime * floor_alpha
     return largest_remainder_round(shares, total) + window
+
+
+# ---------------------------------------------------------------------------- dynamic layer budgets
+def proportional_budgets(
+    weights: Sequence[float] | torch.Tensor, total: int, bounds: Sequence[int]
+) -> torch.Tensor:
+    """Integers ``b_i ≤ bounds_i`` proportional to ``weights`` that sum exactly to ``min(total, Σ bounds)``.
+
+    Water-filling: every item whose share ``w_i / Σ w · rest`` reaches its bound gets the bound, and
+    the rest is shared again over the others in proportion to their weights, until no share exceeds
+    its bound (CAKE's "capped, excess spread over the uncapped layers"). The free shares are then
+    rounded by largest remainder (ties to the earlier item); a share below its bound rounds to at
+    most the bound, so bounds always hold. Free items whose weights are all zero share equally.
+
+    Args:
+        weights: ``[k]`` non-negative (entropies, preferences, head shares).
+        total: integer to distribute.
+        bounds: ``[k]`` non-negative integer upper bounds (capacities, or budgets that may only shrink).
+    Returns:
+        ``[k]`` int64.
+    """
+    w = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+    caps = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
+    if w.numel() != caps.numel():
+        raise ValueError(f"{w.numel()} weights for {caps.numel()} bounds")
+    if bool((w < 0).any()) or bool(torch.isnan(w).any()) or bool((caps < 0).any()):
+        raise ValueError("weights must be non-negative numbers and bounds non-negative integers")
+    if total >= int(caps.sum()):
+        return caps.clone()
+    fixed = torch.zeros(w.numel(), dtype=torch.bool)
+    rest = int(total)
+    while True:
+        free = (~fixed).nonzero().flatten()
+        if free.numel() == 0:
+            break
+        wf = w[free]
+        if float(wf.sum()) <= 0.0 or not bool(torch.isfinite(wf.sum())):
+            wf = torch.ones_like(wf)
+        shares = wf / wf.sum() * rest
+        over = shares >= caps[free]
+        if not bool(over.any()):
+            break
+        fixed[free[over]] = True
+        rest -= int(caps[free[over]].sum())
+    result = torch.where(fixed, caps, torch.zeros_like(caps))
+    if free.numel():
+        result[free] = torch.minimum(largest_remainder_round(shares, rest), caps[free])
+    return result
+
+
+def cascade_layer_budgets(
+    weights: Sequence[float], total: int, previous: Sequence[int], capacity: int
+) -> torch.Tensor:
+    """One step of cascading layer budgets: layers ``0..l`` seen, layer ``l`` just prefilled.
+
+    ``B_i ∝ weights_i`` over the layers seen so far against the **full** ``total``, each capped at
+    ``capacity`` (the candidates a layer has) and at its ``previous`` budget (``len(previous) = l``):
+    earlier layers were already evicted down to it, so budgets only shrink. The result sums to
+    ``min(total, Σ bounds)`` — exactly ``total`` once it fits.
+    """
+    if len(weights) != len(previous) + 1:
+        raise ValueError(f"{len(weights)} weights for {len(previous)} earlier layers + 1")
+    bounds = [min(int(b), capacity) for b in previous] + [capacity]
+    return proportional_budgets(weights, total, bounds)
+
+
+def normalized_entropy(scores: torch.Tensor) -> float:
+    """LAVa's layer uncertainty (Eq. 7–8): entropy of ``p = s / Σ s`` over all given scores, / ``log N``.
+
+    ``scores``: one batch row's non-negative candidate scores of one layer (all heads, flattened or
+    not; ``N = scores.numel()``). ``0·log 0 = 0``; ``N ≤ 1`` or an all-zero row gives 0. The paper
+    divides by ``H × N`` (N tokens), the authors' code by ``log`` of the number of candidates — we
+    follow the code. ``N`` is the same for every layer of a prompt, so the normaliser does not
+    change the layer budgets (they are proportional to the entropies).
+    """
+    s = scores.double().reshape(-1)
+    n = s.numel()
+    total = float(s.sum())
+    if n <= 1 or total <= 0.0:
+        return 0.0
+    p = s / total
+    return float(-torch.special.xlogy(p, p).sum()) / math.log(n)
+
+
+def cake_preference(probs: torch.Tensor, tau1: float, tau2: float) -> float:
+    """CAKE's layer preference ``P = H^(1/τ1) · V^(1/τ2)`` of one batch row.
+
+    Args:
+        probs: ``[q_heads, w, m]`` window attention probabilities on the ``m`` candidate keys (the
+            softmax ran over all keys, window keys included).
+    ``H = −Σ A log(A + 1e-10)`` over heads, rows and columns (the dispersion of the attention);
+    ``V = Σ_{heads, columns} var_rows(A)`` with the unbiased variance over the window rows (the
+    shift of the attention). Computed in float64.
+    """
+    a = probs.double()
+    entropy = float(-(a * torch.log(a + 1e-10)).sum())
+    variance = float(a.var(dim=1, unbiased=True).sum()) if a.shape[1] > 1 else 0.0
+    return max(entropy, 0.0) ** (1.0 / tau1) * max(variance, 0.0) ** (1.0 / tau2)
+
+
+# ---------------------------------------------------------------------------- head split of a layer
+def flattened_head_budgets(
+    candidates: torch.Tensor, total: int, floor_alpha: float = 0.0, bounds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Split ``total`` candidate entries of one layer over its heads by one top-k over all heads.
+
+    Args:
+        candidates: ``[kv_heads, m]`` scores of one batch row; entries that are not candidates
+            (protected window, invalid slots) are ``-inf``.
+        total: candidate entries the layer keeps (window excluded).
+        floor_alpha: share of the even split ``total / H`` every head is guaranteed (0 = the plain
+            top-k, LAVa's Algorithm 1).
+        bounds: ``[kv_heads]`` most entries a head may keep (default: its candidates).
+    Returns:
+        ``[kv_heads]`` int64 counts (window excluded) summing to ``min(total, Σ bounds)``. With
+        ``floor_alpha = 0`` they are the heads' winners of the stable top-``total`` over the
+        flattened scores (exact ties go to the earlier head, then the earlier slot); otherwise
+        ``n_h(1 − α) + α·total/H`` rounded by :func:`proportional_budgets` within the bounds.
+    """
+    heads, m = candidates.shape
+    finite = torch.isfinite(candidates)
+    limit = finite.sum(-1) if bounds is None else torch.minimum(bounds.long().cpu(), finite.sum(-1).cpu())
+    total = min(int(total), int(limit.sum()))
+    if total <= 0:
+        return torch.zeros(heads, dtype=torch.long)
+    order = torch.sort(candidates.float().reshape(-1), descending=True, stable=True).indices[:total]
+    counts = torch.bincount((order // m).cpu(), minlength=heads)
+    if floor_alpha == 0.0 and bool((counts <= limit).all()):
+        return counts
+    shares = counts.double() * (1.0 - floor_alpha) + total / heads * floor_alpha
+    return proportional_budgets(shares, total, limit)
+
+
+def even_head_budgets(total: int, bounds: torch.Tensor) -> torch.Tensor:
+    """``total`` split as evenly as possible over the heads (``total / H`` each, the remainder to the
+    first heads), within ``bounds: [kv_heads]``; sums to ``min(total, Σ bounds)``."""
+    bounds = bounds.long().cpu()
+    return proportional_budgets(torch.ones(bounds.numel()), total, bounds)

@@ -9,9 +9,11 @@ from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.ada_pyramidkv import AdaPyramidKV
 from kvbudget.methods.ada_snapkv import AdaSnapKV
 from kvbudget.methods.base import Method
+from kvbudget.methods.cake import CAKE
 from kvbudget.methods.full import FullCache
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.knorm import KNorm
+from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.snapkv import SnapKV
@@ -33,6 +35,11 @@ REGISTRY: dict[str, type[Method]] = {
         H2O,
         TOVA,
         VATP,
+        LAVa,
+        LAVaUniform,
+        LAVaNoHead,
+        LAVaPyramid,
+        CAKE,
     )
 }
 

@@ -1,0 +1,239 @@
+"""Layer-wise compression with dynamic layer budgets, shared by LAVa and CAKE.
+
+:class:`LayerwiseMethod` compresses a layer right after its prefill attention in three steps
+that subclasses fill in: a score per entry (:meth:`~kvbudget.methods.base.Method.score`), the
+layer's candidate budget for one batch row (:meth:`LayerwiseMethod.layer_total`) and its split
+over the KV heads (:meth:`LayerwiseMethod.split`). The window (and sinks) are always kept on top.
+
+Cascading subclasses (``cascading = True``) give each layer a weight (entropy, preference) and
+budgets ``B_i ∝ weight_i`` over the layers prefilled so far against the model's full total ``T``
+(:func:`kvbudget.allocation.cascade_layer_budgets`); after each layer the session calls
+:meth:`LayerwiseMethod.rebalance`, which re-evicts the earlier layers to their new, smaller
+budgets from the scores they stored as per-entry state — an earlier layer's full cache is never
+needed again, so the cache holds about ``T`` entries plus one full layer at any time. The stored
+scores are dropped once the last layer is prefilled (the budgets are final then).
+
+The per-run plan (weights and budgets per batch row and layer) lives on the method object, which
+the engine creates fresh per run; it is reset whenever layer 0 is compressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvbudget.allocation import cascade_layer_budgets
+from kvbudget.cache import BudgetLayer
+from kvbudget.methods.base import Method
+from kvbudget.observation import Observation
+from kvbudget.scoring import pool_keys
+from kvbudget.selection import protected_mask, select_keep
+
+
+@dataclass
+class RowPlan:
+    """Cascading budgets of one batch row.
+
+    Attributes:
+        total: candidate entries the whole model keeps (``T``, in the subclass's unit).
+        protected: entries per head always kept on top (window + sinks).
+        weights, budgets: per layer seen, its weight and its current candidate budget.
+    """
+
+    total: int
+    protected: int
+    weights: dict[int, float] = field(default_factory=dict)
+    budgets: dict[int, int] = field(default_factory=dict)
+
+    def step(self, layer_idx: int, weight: float, capacity: int) -> int:
+        """Add layer ``layer_idx``; recompute every seen layer's budget; return the new layer's."""
+        self.weights[layer_idx] = weight
+        earlier = sorted(k for k in self.budgets if k != layer_idx)
+        new = cascade_layer_budgets(
+            [self.weights[k] for k in earlier] + [weight],
+            self.total,
+            [self.budgets[k] for k in earlier],
+            capacity,
+        )
+        for k, b in zip([*earlier, layer_idx], new.tolist(), strict=True):
+            self.budgets[k] = int(b)
+        return self.budgets[layer_idx]
+
+
+@dataclass
+class CascadePlan:
+    """Per-run state of a cascading method: one :class:`RowPlan` per compressed batch row."""
+
+    rows: list[RowPlan | None]
+    last_layer: int = -1
+
+
+def padded_view(layer: BudgetLayer, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """State ``name`` and positions of ``layer`` as ``[b, kv_heads, n]`` tensors.
+
+    A per-head (ragged) layer is padded at the end of each head (state 0, position ``-1``), so a
+    slot index of the view is the slot index in the head's own storage.
+    """
+    if not layer.is_ragged:
+        return layer.state[name], layer.positions
+    n = layer.physical_length
+    state = torch.stack([F.pad(s, (0, n - s.shape[1]), value=0.0) for s in layer.state[name]], dim=1)
+    positions = torch.stack([F.pad(p, (0, n - p.shape[1]), value=-1) for p in layer.positions], dim=1)
+    return state, positions
+
+
+def pool_candidates(
+    scores: torch.Tensor, candidates: torch.Tensor, kernel: int, pooling: str
+) -> torch.Tensor:
+    """Pool ``scores: [b, h, n]`` along the keys over each row's and head's candidate entries only.
+
+    The candidates (``candidates: [b, h, n]`` bool) are gathered in slot order, pooled as one
+    contiguous sequence (padding ``kernel // 2``: -inf for max, zeros for avg, divided by
+    ``kernel``), and scattered back; other slots get 0. Pads or protected entries between
+    candidates therefore never enter a pooling window — a batch row pools exactly as it would alone.
+    """
+    out = torch.zeros_like(scores)
+    for r in range(scores.shape[0]):
+        if bool((candidates[r] == candidates[r, :1]).all()):  # the same slots in every head: one call
+            cols = candidates[r, 0].nonzero().flatten()
+            if cols.numel():
+                out[r][:, cols] = pool_keys(scores[r][:, cols][None], kernel, pooling)[0]
+            continue
+        for h in range(scores.shape[1]):
+            cols = candidates[r, h].nonzero().flatten()
+            if cols.numel():
+                out[r, h, cols] = pool_keys(scores[r, h, cols][None, None], kernel, pooling)[0, 0]
+    return out
+
+
+@dataclass
+class LayerwiseMethod(Method):
+    """Base of LAVa and CAKE: layer-wise compression with (optionally cascading) layer budgets."""
+
+    #: per-entry state holding the scores a cascading method re-evicts from
+    state_name = "layerwise_score"
+
+    # ------------------------------------------------------------------ parts for subclasses
+    def model_total(self, target: int, protected: int, num_layers: int, num_heads: int) -> int:
+        """``T`` for a row of budget ``target``: candidate units the whole model keeps."""
+        raise NotImplementedError
+
+    def layer_weight(
+        self, obs: Observation, scores: torch.Tensor, row: int, candidates: torch.Tensor
+    ) -> float:
+        """Cascading methods: the layer's weight for batch row ``row`` (entropy, preference)."""
+        raise NotImplementedError
+
+    def layer_capacity(self, candidates: torch.Tensor) -> int:
+        """Most units a layer can keep, from its ``candidates: [kv_heads, n]`` of one row."""
+        raise NotImplementedError
+
+    def static_total(self, target: int, length: int, protected: int, obs: Observation) -> int:
+        """Non-cascading methods: the layer's candidate budget for one row."""
+        raise NotImplementedError
+
+    def split(
+        self, scores: torch.Tensor, candidates: torch.Tensor, total: int, bounds: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-head candidate counts ``[kv_heads]`` of a layer budget ``total`` for one row.
+
+        Args:
+            scores: ``[kv_heads, n]``; candidates: ``[kv_heads, n]`` bool (valid, not protected);
+            bounds: ``[kv_heads]`` most entries each head may keep (its current candidates).
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ plan
+    @property
+    def plan(self) -> CascadePlan | None:
+        return self.__dict__.get("_plan")
+
+    def _start(self, layer_idx: int, rows: int) -> CascadePlan:
+        plan = self.plan
+        if layer_idx == 0 or plan is None or len(plan.rows) != rows or layer_idx <= plan.last_layer:
+            plan = CascadePlan([None] * rows)
+            self.__dict__["_plan"] = plan
+        plan.last_layer = layer_idx
+        return plan
+
+    def row_budget(self, row: int, layer_idx: int) -> int | None:
+        """Entries per head layer ``layer_idx`` of batch row ``row`` keeps after the prefill
+        (window included), or ``None`` if the row was not compressed by a cascade."""
+        plan = self.plan
+        if plan is None or row >= len(plan.rows) or plan.rows[row] is None:
+            return None
+        rp = plan.rows[row]
+        return rp.budgets[layer_idx] + rp.protected if layer_idx in rp.budgets else None
+
+    # ------------------------------------------------------------------ actions
+    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        self.observe(obs)
+        lengths = obs.lengths
+        heads = obs.num_kv_heads
+        kept = lengths[:, None].expand(-1, heads).clone().cpu()
+        plan = self._start(obs.layer_idx, len(targets)) if self.cascading else None
+        self.__dict__["_num_layers"] = obs.num_layers
+        if all(t is None for t in targets):
+            return kept
+        scores = self.score(obs).float()
+        valid = obs.valid
+        protected = torch.zeros_like(valid)
+        for r, target in enumerate(targets):
+            if target is None:
+                continue
+            protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
+            candidates = valid[r] & ~protected[r]
+            n_protected = int(protected[r][0].sum())
+            if plan is not None:
+                if plan.rows[r] is None:
+                    plan.rows[r] = RowPlan(
+                        self.model_total(target, n_protected, obs.num_layers, heads), n_protected
+                    )
+                weight = self.layer_weight(obs, scores, r, candidates)
+                total = plan.rows[r].step(obs.layer_idx, weight, self.layer_capacity(candidates))
+            else:
+                total = self.static_total(target, int(lengths[r]), n_protected, obs)
+            counts = self.split(scores[r], candidates, total, candidates.sum(-1).cpu())
+            kept[r] = counts + protected[r].sum(-1).cpu()
+        if plan is not None:
+            obs.layer.state[self.state_name] = scores
+        obs.layer.keep(select_keep(scores, kept, valid, protected))
+        return kept
+
+    def rebalance(self, layers: list, targets: list[int | None]) -> None:
+        """Re-evict ``layers[:-1]`` to the budgets the last :meth:`compress` recomputed.
+
+        Each layer keeps the top of the scores it stored (``state[state_name]``) among its current
+        entries: the new budgets are never larger than the old ones, and the same stable order is
+        used, so the new kept set is a subset of the old one. After the last layer the stored
+        scores are dropped.
+        """
+        plan = self.plan
+        if plan is None:
+            return
+        for i, layer in enumerate(layers[:-1]):
+            if self.state_name not in layer.state:
+                continue
+            scores, positions = padded_view(layer, self.state_name)
+            valid = positions >= 0
+            protected = torch.zeros_like(valid)
+            kept = layer.head_lengths().cpu()
+            changed = False
+            for r, target in enumerate(targets):
+                rp = plan.rows[r] if r < len(plan.rows) else None
+                if target is None or rp is None or i not in rp.budgets:
+                    continue
+                protected[r] = protected_mask(positions[r : r + 1], self.window_for(target), self.sinks)[0]
+                candidates = valid[r] & ~protected[r]
+                have = candidates.sum(-1).cpu()
+                counts = self.split(scores[r], candidates, rp.budgets[i], have)
+                if not torch.equal(counts, have):
+                    changed = True
+                kept[r] = counts + protected[r].sum(-1).cpu()
+            if changed:
+                layer.keep(select_keep(scores, kept, valid, protected))
+        if len(layers) >= self.__dict__.get("_num_layers", 1 << 30):
+            for layer in layers:
+                layer.state.pop(self.state_name, None)

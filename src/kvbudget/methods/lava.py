@@ -1,0 +1,150 @@
+"""LAVa: layer-wise KV-cache eviction with dynamic head and layer budgets, and its ablations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbudget.allocation import (
+    even_head_budgets,
+    flattened_head_budgets,
+    normalized_entropy,
+    pyramid_layer_budget,
+)
+from kvbudget.errors import UnknownMethodError
+from kvbudget.methods.cascade import LayerwiseMethod
+from kvbudget.observation import Observation, reduce_group
+from kvbudget.scoring import pool_keys, value_norms
+
+
+@dataclass
+class LAVa(LayerwiseMethod):
+    """LAVa: one score comparable across heads and layers decides every head's and layer's budget.
+
+    **Score** (Eq. 6, §4.3): for query head ``q`` of KV head ``h``,
+    ``s_q[i] = maxpool_7(mean_{window rows} A_q[·, i]) · V̄_h`` with ``V̄_h = max_k ‖V_h[k]‖₁``
+    over all of the layer's valid entries; the KV head's score is the **max** over its GQA group
+    (an entry is kept if any query head needs it). Attention is the softmax of the last ``w``
+    prompt queries over all keys (window keys in the normaliser); pooling runs over the ``L − w``
+    non-window columns only.
+
+    **Head budgets** (Alg. 1): one top-``B_l`` over the flattened candidate scores of all heads of
+    the layer; each head keeps its winners plus the window (stored per head, ragged).
+
+    **Layer budgets** (Eq. 7–8, Alg. 2): the layer's candidate scores normalised into one
+    distribution, entropy ``e_l`` divided by ``log N`` (``N = H·(L − w)`` candidates — the paper
+    writes ``H × N``, the authors' code ``log N``; we follow the code, and since ``N`` is the same
+    for every layer it does not change the budgets). After each prefilled layer ``l``:
+    ``B_i = e_i / Σ_{j≤l} e_j · T`` for all ``i ≤ l`` with ``T = (B − w)·layers·H`` candidate
+    entries (``B`` = the user budget per KV head, window included), each capped at the layer's
+    ``H·(L − w)`` candidates with the excess spread over the others, integerised so the sum is
+    exactly ``T`` (largest remainder), and never above the layer's previous budget. Earlier layers
+    are re-evicted from their stored scores (cascading): a layer's full cache is only held while it
+    is the one being prefilled. Final budgets are proportional to the entropies (up to caps and rounding).
+
+    Differences from the authors' code (MGDDestiny/Lava): ``V̄_h`` runs over all entries as in
+    Eq. 6 (the code skips the window's values); no floor by default — the code adds AdaKV's floor
+    (α = 0.2) computed from the *configured* budget, which makes a layer's total drift from
+    ``B_l``; here ``floor_alpha`` (default 0, the paper) guarantees each head ``α·B_l/H`` of the
+    *layer's* budget and keeps the layer total exact; budgets are integerised by largest
+    remainder with exact total (the code truncates each layer's share, losing up to one entry per
+    layer); exact score ties go to the earlier head, then the earlier token.
+
+    Reference: Shen et al., "LAVa: Layer-wise KV Cache Eviction with Dynamic Budget Allocation"
+    (arXiv:2509.09754).
+
+    Args:
+        window: observation window, always kept (32). kernel: pooling kernel (7).
+        pooling: ``max`` (default) or ``avg``.
+        floor_alpha: share of the even head split every head is guaranteed (default 0).
+    """
+
+    name: ClassVar[str] = "lava"
+    paper: ClassVar[str] = "arXiv:2509.09754"
+    cascading: ClassVar[bool] = True
+    #: how the layer's budget is split over its heads: ``flat`` (one top-k) or ``even`` (B_l / H)
+    head_split: ClassVar[str] = "flat"
+    state_name = "lava_score"
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    floor_alpha: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.floor_alpha <= 1.0:
+            raise UnknownMethodError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        probs = obs.window_probs(self.window)  # [b, hq, w, n]
+        w, n = probs.shape[2], probs.shape[3]
+        rows = probs.mean(2)
+        pooled = torch.zeros_like(rows)
+        pooled[..., : n - w] = pool_keys(rows[..., : n - w], self.kernel, self.pooling)
+        norms = value_norms(obs, p=1).masked_fill(~obs.valid, 0.0)  # [b, kv, n]
+        v_bar = norms.amax(-1).repeat_interleave(obs.group_size, dim=1)  # [b, hq]
+        return reduce_group(pooled * v_bar[..., None], obs.num_kv_heads, "max")
+
+    # ------------------------------------------------------------------ budgets
+    def model_total(self, target: int, protected: int, num_layers: int, num_heads: int) -> int:
+        return (target - protected) * num_layers * num_heads
+
+    def layer_capacity(self, candidates: torch.Tensor) -> int:
+        return int(candidates.sum())
+
+    def layer_weight(
+        self, obs: Observation, scores: torch.Tensor, row: int, candidates: torch.Tensor
+    ) -> float:
+        return normalized_entropy(scores[row][candidates])
+
+    def split(
+        self, scores: torch.Tensor, candidates: torch.Tensor, total: int, bounds: torch.Tensor
+    ) -> torch.Tensor:
+        if self.head_split == "even":
+            return even_head_budgets(total, bounds)
+        masked = scores.float().masked_fill(~candidates, float("-inf"))
+        return flattened_head_budgets(masked, total, self.floor_alpha, bounds)
+
+
+@dataclass
+class LAVaUniform(LAVa):
+    """LAVa ablation without layer dynamics: every layer keeps ``H·(B − w)`` candidates, split over
+    its heads by LAVa's flattened top-k (Alg. 1). Not cascading."""
+
+    name: ClassVar[str] = "lava-uniform"
+    cascading: ClassVar[bool] = False
+
+    def static_total(self, target: int, length: int, protected: int, obs: Observation) -> int:
+        layer_budget = self.layer_budget(target, length, obs.layer_idx, obs.num_layers)
+        return (layer_budget - protected) * obs.num_kv_heads
+
+
+@dataclass
+class LAVaNoHead(LAVa):
+    """LAVa ablation without head dynamics: entropy layer budgets (cascading) as ``lava``, each
+    layer's ``B_l`` split evenly over its heads (``B_l / H``, the remainder to the first heads);
+    each head keeps its own top by the LAVa score."""
+
+    name: ClassVar[str] = "lava-nohead"
+    head_split: ClassVar[str] = "even"
+
+
+@dataclass
+class LAVaPyramid(LAVa):
+    """LAVa ablation with fixed pyramid layer budgets (PyramidKV's formula, β = 20) and LAVa's
+    flattened head split. Not cascading.
+
+    Args:
+        beta: PyramidKV's β (default 20); other options as ``lava``.
+    """
+
+    name: ClassVar[str] = "lava-pyramid"
+    cascading: ClassVar[bool] = False
+    beta: int = 20
+
+    def static_total(self, target: int, length: int, protected: int, obs: Observation) -> int:
+        cap = pyramid_layer_budget(target, length, obs.layer_idx, obs.num_layers, self.window, self.beta)
+        return (cap - protected) * obs.num_kv_heads

@@ -38,6 +38,7 @@ import platform
 import random
 import sysconfig
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -233,16 +234,24 @@ def _lcc_make_samples(
         tier = [rel for rel in stdlib_files(root, tests) if (Path(root) / rel).stat().st_size >= length]
         random.Random(f"code:lcc:{seed}:{tests}").shuffle(tier)
         files.extend(tier)
-    samples = []
-    for rel in files:
-        sample = lcc_sample(tokenizer, rel, length, root)
+    return _first_samples(
+        (lcc_sample(tokenizer, rel, length, root) for rel in files), num_samples, seed, "lcc", length
+    )
+
+
+def _first_samples(
+    candidates: Iterable[Sample | None], num_samples: int, seed: int, task: str, length: int
+) -> list[Sample]:
+    """The first ``num_samples`` candidates that gave a sample, indexed; a clear error if too few."""
+    samples: list[Sample] = []
+    for sample in candidates:
         if sample is not None:
             sample.meta.update(index=len(samples), seed=seed)
             samples.append(sample)
             if len(samples) == num_samples:
                 return samples
     raise InputError(
-        f"only {len(samples)} standard-library files hold an lcc sample of {length} tokens; "
+        f"only {len(samples)} standard-library files give a {task} sample of {length} tokens; "
         f"ask for fewer samples or a shorter length"
     )
 
@@ -453,18 +462,11 @@ def _repobench_make_samples(
     files.sort()
     rng = random.Random(f"code:repobench:{seed}")
     rng.shuffle(files)
-    samples = []
-    for rel in files:
-        sample = repobench_sample(tokenizer, rel, length, random.Random(f"code:repobench:{seed}:{rel}"), root)
-        if sample is not None:
-            sample.meta.update(index=len(samples), seed=seed)
-            samples.append(sample)
-            if len(samples) == num_samples:
-                return samples
-    raise InputError(
-        f"only {len(samples)} standard-library files give a repobench sample of {length} tokens; "
-        f"ask for fewer samples or a shorter length"
+    candidates = (
+        repobench_sample(tokenizer, rel, length, random.Random(f"code:repobench:{seed}:{rel}"), root)
+        for rel in files
     )
+    return _first_samples(candidates, num_samples, seed, "repobench", length)
 
 
 TASKS = {

@@ -176,7 +176,7 @@ def _next_token(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _forward(
+def forward_last_logits(
     model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BudgetCache
 ) -> torch.Tensor:
     """One forward over ``ids: [b, q]``; returns the last position's logits ``[b, vocab]``."""
@@ -228,6 +228,16 @@ def prefill_inputs(prompts: list[Prompt], pad_id: int, compress_context_only: bo
     return PrefillInputs(ids, mask, positions, cut)
 
 
+def prefill_compressed_part(
+    model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
+) -> torch.Tensor:
+    """Prefill ``inputs.ids[:, :compressed_until]`` into ``cache``; its last logits ``[b, vocab]``."""
+    cut = inputs.compressed_until
+    return forward_last_logits(
+        model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache
+    )
+
+
 def append_uncompressed(
     model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
 ) -> torch.Tensor | None:
@@ -237,7 +247,7 @@ def append_uncompressed(
     if cache.session is not None:
         cache.session.phase = "off"
     cut = inputs.compressed_until
-    return _forward(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
+    return forward_last_logits(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
 
 
 @torch.inference_mode()
@@ -256,9 +266,8 @@ def prefill(
     attach(model)
     cache = BudgetCache(model.config.num_hidden_layers, session)
     inputs = prefill_inputs(prompts, pad_id, compress_context_only)
-    cut = inputs.compressed_until
     session.phase = "prefill"
-    logits = _forward(model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache)
+    logits = prefill_compressed_part(model, inputs, cache)
     question_logits = append_uncompressed(model, inputs, cache)
     logits = logits if question_logits is None else question_logits
     return cache, logits, inputs.mask, inputs.positions[:, -1]
@@ -303,7 +312,7 @@ def decode_loop(
             break
         mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
         last_pos = last_pos + 1
-        logits = _forward(model, token[:, None], mask, last_pos[:, None], cache)
+        logits = forward_last_logits(model, token[:, None], mask, last_pos[:, None], cache)
         token = _next_token(logits, temperature, top_p, generator)
         steps += 1
         for r, t in enumerate(token.tolist()):
@@ -457,6 +466,6 @@ def compress(
     session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
     cache = BudgetCache(model.config.num_hidden_layers, session)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    _forward(model, input_ids, attention_mask, positions, cache)
+    forward_last_logits(model, input_ids, attention_mask, positions, cache)
     session.phase = "decode"
     return cache

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache, BudgetLayer
-from kvbudget.engine import PrefillInputs, _forward, append_uncompressed
+from kvbudget.engine import PrefillInputs, append_uncompressed, prefill_compressed_part
 from kvbudget.methods.base import Method
 from kvbudget.methods.full import FullCache
 from kvbudget.session import CompressionSession
@@ -56,9 +56,8 @@ def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs) -> Snapshot:
     recorder = CompressionSession(FullCache(), model.config.num_hidden_layers, budget=1)
     recorder.phase = "record"
     cache = BudgetCache(model.config.num_hidden_layers, recorder)
-    cut = inputs.compressed_until
     start = time.perf_counter()
-    logits = _forward(model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache)
+    logits = prefill_compressed_part(model, inputs, cache)
     seconds = time.perf_counter() - start
     cache.session = None
     return Snapshot(inputs, cache, recorder.recorded_queries, recorder.scaling, logits, seconds)

@@ -441,20 +441,26 @@ _FIELDS = ("input", "context", "answers")
 
 
 def load_longbench(
-    dataset: str, data_dir: Path | str | None = None, *, e: bool = False, hub: bool = False
+    dataset: str,
+    data_dir: Path | str | None = None,
+    *,
+    e: bool = False,
+    hub: bool = False,
+    trust_remote_code: bool = False,
 ) -> list[dict]:
     """LongBench records of ``dataset``: from ``{data_dir}/{dataset}[_e].jsonl``, or the hub.
 
     ``data_dir`` defaults to :func:`default_data_dir`. ``hub=True`` loads ``THUDM/LongBench``
-    through the ``datasets`` library (needs it installed and network access). Records keep
-    LongBench's fields; ``all_classes`` is None for datasets without classes.
+    through the ``datasets`` library (needs it installed and network access; THUDM/LongBench ships
+    a loading script, which runs only when you opt in with ``trust_remote_code`` — off by default).
+    Records keep LongBench's fields; ``all_classes`` is None for datasets without classes.
     """
     _check_dataset(dataset)
     if e and dataset not in DATASETS_E:
         raise InputError(f"'{dataset}' is not in LongBench-E: expected one of {', '.join(DATASETS_E)}")
     name = f"{dataset}_e" if e else dataset
     if hub:
-        records = _load_from_hub(name)
+        records = _load_from_hub(name, trust_remote_code)
     else:
         root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
         path = root / f"{name}.jsonl"
@@ -474,7 +480,7 @@ def load_longbench(
     return records
 
 
-def _load_from_hub(name: str) -> list[dict]:
+def _load_from_hub(name: str, trust_remote_code: bool = False) -> list[dict]:
     try:
         import datasets
     except ImportError:
@@ -483,11 +489,14 @@ def _load_from_hub(name: str) -> list[dict]:
             "access; or download LongBench's data.zip and pass data_dir"
         ) from None
     try:
-        rows = datasets.load_dataset("THUDM/LongBench", name, split="test", trust_remote_code=True)
+        rows = datasets.load_dataset(
+            "THUDM/LongBench", name, split="test", trust_remote_code=trust_remote_code
+        )
     except Exception as err:  # network, hub or script errors: say what to do instead
         raise InputError(
             f"could not load THUDM/LongBench '{name}' through datasets ({type(err).__name__}: {err}); "
-            "download LongBench's data.zip and pass data_dir instead"
+            "download LongBench's data.zip and pass data_dir instead (its hub loader is a script: it needs "
+            "the trust_remote_code opt-in, which is yours to give)"
         ) from err
     return [dict(row) for row in rows]
 

@@ -170,10 +170,7 @@ class BudgetLayer(DynamicLayer):
         if not self.is_initialized:
             return
         if self.is_ragged:
-            self.head_keys = [fn(t) for t in self.head_keys]
-            self.head_values = [fn(t) for t in self.head_values]
-            self.positions = [fn(t) for t in self.positions]
-            self.state = {k: [fn(t) for t in v] for k, v in self.state.items()}
+            self._map_heads(fn)
         else:
             self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
             self.state = {k: fn(v) for k, v in self.state.items()}
@@ -207,6 +204,37 @@ class BudgetLayer(DynamicLayer):
                 p[:, -q:].masked_fill_(invalid, -1)
         else:
             self.positions[:, :, -q:].masked_fill_(invalid[:, None, :], -1)
+
+    def drop_last(self, count: int) -> None:
+        """Forget the last ``count`` appended tokens (undo decode steps nothing has trimmed since).
+
+        Only trailing slots can go: every head's last ``count`` slots must hold the logical
+        positions ``seen - count … seen - 1`` (or be invalid), otherwise ``KVBudgetError``.
+        """
+        if count <= 0 or not self.is_initialized:
+            return
+        heads = self.positions if self.is_ragged else list(self.positions.unbind(1))
+        expected = torch.arange(self.seen - count, self.seen, device=heads[0].device)
+        for p in heads:
+            tail = p[:, -count:]
+            if tail.shape[1] < count or not bool(((tail == expected) | (tail < 0)).all()):
+                raise KVBudgetError(
+                    f"cannot drop the last {count} tokens: they are no longer the layer's trailing entries"
+                )
+        if self.is_ragged:
+            self._map_heads(lambda t: t[:, :-count])
+        else:
+            self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]
+            self.positions = self.positions[:, :, :-count]
+            self.state = {name: s[:, :, :-count] for name, s in self.state.items()}
+        self.seen -= count
+
+    def _map_heads(self, fn: Any) -> None:
+        """Apply ``fn`` to every per-head tensor of the per-head layout."""
+        self.head_keys = [fn(t) for t in self.head_keys]
+        self.head_values = [fn(t) for t in self.head_values]
+        self.positions = [fn(t) for t in self.positions]
+        self.state = {k: [fn(t) for t in v] for k, v in self.state.items()}
 
     def keep(self, keep_indices: list[list[torch.Tensor]]) -> None:
         """Keep only the given entries.
@@ -371,6 +399,12 @@ class BudgetCache(Cache):
         self._total_bytes += size - self._layer_bytes[layer_idx]
         self._layer_bytes[layer_idx] = size
         self.peak_physical_bytes = max(self.peak_physical_bytes, self._total_bytes)
+
+    def drop_last(self, count: int) -> None:
+        """Forget the last ``count`` tokens in every layer (see :meth:`BudgetLayer.drop_last`)."""
+        for i, layer in enumerate(self.layers):
+            layer.drop_last(count)
+            self.note_memory(i)
 
     def physical_bytes(self) -> int:
         return sum(layer.physical_bytes() for layer in self.layers)

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 import kvbudget
 from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
 from kvbudget.errors import KVBudgetError
+from kvbudget.eval.draft import decode_with_draft
 from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agreement
 from kvbudget.eval.sample import Sample
 from kvbudget.eval.store import ResultStore, config_key
@@ -100,6 +101,7 @@ class RunOutcome:
     tpot_s: float
     stats: dict[str, Any]
     budgets: list[list[int]]
+    draft_accepted: int = 0
 
 
 class Runner:
@@ -233,19 +235,28 @@ class Runner:
         compress_s = cache.session.compress_seconds
         stats = cache.stats(0)
         budgets = cache.session.budgets[0].tolist()
-        forced = copy.deepcopy(cache)  # for teacher forcing after the greedy decode consumed `cache`
+        step_by_step = "decode" in method.stages
+        last_pos = inputs.positions[:, -1]
         start = time.perf_counter()
-        decoded = decode_loop(
-            self.model, cache, logits, inputs.mask, inputs.positions[:, -1], self.eos, sample.max_new_tokens
-        )
-        first_token_s = time.perf_counter() - start - decoded.seconds
-        ids = decoded.generated[0]
+        if teacher is None:  # the full-cache reference: its own answer, then its log-probs on it
+            forced = copy.deepcopy(cache)
+            decoded = decode_loop(
+                self.model, cache, logits, inputs.mask, last_pos, self.eos, sample.max_new_tokens
+            )
+            ids, steps, decode_s, accepted = decoded.generated[0], decoded.steps, decoded.seconds, 0
+            first_token_s = time.perf_counter() - start - decode_s
+            logprobs = teacher_forced_logprobs(
+                self.model, forced, logits, ids, inputs.mask, last_pos, step_by_step
+            )
+        else:  # the reference answer is a draft: one pass gives log-probs and the agreeing prefix
+            drafted = decode_with_draft(
+                self.model, cache, logits, teacher.token_ids, inputs.mask, last_pos, self.eos,
+                sample.max_new_tokens, step_by_step,
+            )  # fmt: skip
+            ids, steps, decode_s = drafted.token_ids, drafted.steps, drafted.seconds
+            accepted = drafted.accepted
+            logprobs, first_token_s = drafted.logprobs, 0.0  # the first token is argmax(logits)
         text_ids = ids[:-1] if ids and ids[-1] in self.eos else ids
-        reference_ids = (teacher or RunOutcome(ids, "", None, 0, 0, 0, 0, {}, [])).token_ids
-        logprobs = teacher_forced_logprobs(
-            self.model, forced, logits, reference_ids, inputs.mask, inputs.positions[:, -1],
-            "decode" in method.stages,
-        )  # fmt: skip
         ttft = (prefill_s + compress_s if snapshot is not None else setup_s) + first_token_s
         return RunOutcome(
             token_ids=ids,
@@ -254,9 +265,10 @@ class Runner:
             ttft_s=ttft,
             prefill_s=prefill_s,
             compress_s=compress_s,
-            tpot_s=decoded.seconds / decoded.steps if decoded.steps else math.nan,
+            tpot_s=decode_s / steps if steps else math.nan,
             stats=stats.as_dict(),
             budgets=budgets,
+            draft_accepted=accepted,
         )
 
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, bar) -> None:
@@ -321,6 +333,7 @@ class Runner:
             prefill_s=outcome.prefill_s,
             compress_s=outcome.compress_s,
             tpot_s=None if math.isnan(outcome.tpot_s) else outcome.tpot_s,
+            draft_accepted=outcome.draft_accepted,
             logical_bytes=outcome.stats["logical_bytes"],
             physical_bytes=outcome.stats["physical_bytes"],
             budgets=outcome.budgets,

@@ -18,14 +18,21 @@ NO_EOS: set[int] = set()
 
 
 def _compressed(model, tokenizer, name: str, budget: int = 40):
-    inputs = prefill_inputs([build_prompt(tokenizer, CONTEXT, "What does the fox do?")], tokenizer.pad_token_id)
+    prompt = build_prompt(tokenizer, CONTEXT, "What does the fox do?")
+    inputs = prefill_inputs([prompt], tokenizer.pad_token_id)
     cache, logits = derive(model, take_snapshot(model, inputs), small(name), budget=budget)
     return cache, logits, inputs
 
 
 def _greedy(model, tokenizer, name: str) -> list[int]:
     cache, logits, inputs = _compressed(model, tokenizer, name)
-    return decode_loop(model, cache, logits, inputs.mask, inputs.positions[:, -1], NO_EOS, MAX_NEW).generated[0]
+    last = inputs.positions[:, -1]
+    return decode_loop(model, cache, logits, inputs.mask, last, NO_EOS, MAX_NEW).generated[0]
+
+
+def _changed(tokens: list[int], at: int, vocab: int) -> list[int]:
+    """``tokens`` with a different token at index ``at``."""
+    return tokens[:at] + [(tokens[at] + 1) % vocab] + tokens[at + 1 :]
 
 
 @pytest.mark.parametrize("name", ["snapkv", "ada-snapkv", "h2o", "streamingllm", "full"])
@@ -33,9 +40,8 @@ def _greedy(model, tokenizer, name: str) -> list[int]:
 def test_draft_decoding_equals_greedy_and_teacher_forcing(name, diverge_at, llama, chat_tokenizer):
     step_by_step = name in ("h2o", "streamingllm")
     greedy = _greedy(llama, chat_tokenizer, name)
-    draft = list(greedy)
-    if diverge_at is not None:  # a draft agreeing with the method's greedy answer up to `diverge_at`
-        draft[diverge_at] = (greedy[diverge_at] + 1) % llama.config.vocab_size
+    # a draft agreeing with the method's greedy answer up to `diverge_at`
+    draft = greedy if diverge_at is None else _changed(greedy, diverge_at, llama.config.vocab_size)
     cache, logits, inputs = _compressed(llama, chat_tokenizer, name)
     last = inputs.positions[:, -1]
     out = decode_with_draft(llama, cache, logits, draft, inputs.mask, last, NO_EOS, MAX_NEW, step_by_step)
@@ -63,3 +69,27 @@ def test_drop_last_refuses_entries_a_method_has_reselected(llama, chat_tokenizer
     cache, logits, inputs = _compressed(llama, chat_tokenizer, "snapkv")
     with pytest.raises(KVBudgetError, match="trailing"):
         cache.drop_last(30)  # 30 of the 40 kept prompt entries are not the last 30 tokens seen
+
+
+@pytest.mark.parametrize("name", ["snapkv", "ada-snapkv", "full"])
+def test_candidates_continue_the_answer_after_the_draft_diverges(name, llama, chat_tokenizer):
+    vocab = llama.config.vocab_size
+    greedy = _greedy(llama, chat_tokenizer, name)
+    draft = _changed(greedy, 2, vocab)
+    candidates = [
+        _changed(greedy, 0, vocab),  # does not extend the answer: skipped
+        _changed(greedy, 7, vocab),  # verified up to index 7, where the method picks its own token
+        greedy[:9],  # then this one carries the answer to index 9
+    ]
+    cache, logits, inputs = _compressed(llama, chat_tokenizer, name)
+    out = decode_with_draft(
+        llama, cache, logits, draft, inputs.mask, inputs.positions[:, -1], NO_EOS, MAX_NEW, False, candidates
+    )
+    assert out.token_ids == greedy
+    assert out.accepted == 2
+    assert out.steps == MAX_NEW - 9  # one-token steps only for the tokens after the last candidate
+    cache, logits, inputs = _compressed(llama, chat_tokenizer, name)
+    out = decode_with_draft(
+        llama, cache, logits, draft, inputs.mask, inputs.positions[:, -1], NO_EOS, MAX_NEW, False, [greedy]
+    )
+    assert out.token_ids == greedy and out.steps == 0

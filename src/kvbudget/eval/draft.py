@@ -13,6 +13,12 @@ one forward instead of one per token.
   floating-point sums may differ in the last bits from one-token steps, so on a near-tie the
   answer can differ from :func:`kvbudget.generate`'s; shared and separate prefill use this same
   procedure, so they stay identical to each other.
+  After diverging from the full cache's answer they also try *other* answers to the same prompt
+  (the earlier methods' — compressed caches often ramble on identically): the first candidate
+  extending the answer so far is verified in one forward, and so on (greedy speculative decoding
+  with free drafts). Which candidates exist depends on which runs share the invocation, so a
+  near-tie could in principle break differently after a resumed run; exact ties aside, the answer
+  is the greedy one.
 * Decode-stage methods (the cache is trimmed after every token) feed the draft **one token at a
   time**, exactly as :func:`kvbudget.engine.decode_loop` would, and copy the cache at the
   divergence to continue from; their answers equal plain greedy decoding.
@@ -58,6 +64,17 @@ def _first_divergence(rows: torch.Tensor, draft: list[int]) -> int:
     return next((i for i, (g, d) in enumerate(zip(greedy, draft, strict=True)) if g != d), len(draft))
 
 
+def _feed(model: PreTrainedModel, cache: BudgetCache, tokens: list[int], mask, last_pos, start: int):
+    """Forward ``tokens`` placed after ``start`` answer tokens; returns the logits ``[len, vocab]``."""
+    ids = torch.tensor([tokens], dtype=torch.long)
+    positions = last_pos[:, None] + 1 + start + torch.arange(len(tokens))[None]
+    out = model(
+        input_ids=ids, attention_mask=_extend(mask, start + len(tokens)), position_ids=positions,
+        past_key_values=cache, use_cache=True,
+    )  # fmt: skip
+    return out.logits[0]
+
+
 @torch.inference_mode()
 def decode_with_draft(
     model: PreTrainedModel,
@@ -69,6 +86,7 @@ def decode_with_draft(
     eos: set[int],
     max_new_tokens: int,
     step_by_step: bool,
+    candidates: list[list[int]] = (),
 ) -> DraftDecoded:
     """Greedy answer and teacher-forced log-probs of ``draft``, sharing the forwards they have in common.
 
@@ -78,50 +96,86 @@ def decode_with_draft(
         draft: the full cache's answer (at least one token; it ends with EOS or at ``max_new_tokens``).
         mask, last_pos: ``[1, n]`` prompt attention mask and ``[1]`` last logical position.
         step_by_step: feed one token at a time (decode-stage methods).
+        candidates: other answers to the same prompt (e.g. earlier methods'); after diverging from
+            ``draft``, a prefill-stage method verifies the first candidate that extends its answer
+            in one forward (methods often ramble on identically), and so on until none does.
     """
     if not draft:
         raise ValueError("decode_with_draft needs a draft of at least one token")
     if cache.session is not None:
         cache.session.phase = "decode"
-    feed = torch.tensor([draft[:-1]], dtype=torch.long)
-    positions = last_pos[:, None] + 1 + torch.arange(feed.shape[1])[None]
-    fed_mask = _extend(mask, feed.shape[1])
+    feed = draft[:-1]
     rows = [logits[0]]
-    resume: BudgetCache | None = None  # the cache holding prompt + draft[:divergence]
-    divergence = len(draft)
     if step_by_step:
-        for i in range(feed.shape[1] + 1):
+        resume: BudgetCache | None = None  # the cache holding prompt + draft[:divergence]
+        divergence = len(draft)
+        for i in range(len(feed) + 1):
             if divergence == len(draft) and int(rows[i].argmax()) != draft[i]:
                 divergence, resume = i, copy.deepcopy(cache)
-            if i == feed.shape[1]:
-                break
-            out = model(
-                input_ids=feed[:, i : i + 1], attention_mask=fed_mask[:, : mask.shape[1] + i + 1],
-                position_ids=positions[:, i : i + 1], past_key_values=cache, use_cache=True,
-            )  # fmt: skip
-            rows.append(out.logits[0, -1])
+            if i < len(feed):
+                rows.append(_feed(model, cache, feed[i : i + 1], mask, last_pos, i)[-1])
         stacked = torch.stack(rows)
     else:
-        if feed.shape[1]:
-            out = model(
-                input_ids=feed, attention_mask=fed_mask, position_ids=positions,
-                past_key_values=cache, use_cache=True,
-            )  # fmt: skip
-            rows.extend(out.logits[0])
+        if feed:
+            rows.extend(_feed(model, cache, feed, mask, last_pos, 0))
         stacked = torch.stack(rows)
         divergence = _first_divergence(stacked, draft)
+        resume = cache
         if divergence < len(draft):
-            cache.drop_last(feed.shape[1] - divergence)
-            resume = cache
+            cache.drop_last(len(feed) - divergence)
     logprobs = torch.log_softmax(stacked.float(), dim=-1)
     if divergence == len(draft):
         # The method agreed with every draft token; the draft ended with EOS or at the limit.
         if draft[-1] in eos or len(draft) >= max_new_tokens:
             return DraftDecoded(list(draft), logprobs, len(draft), 0, 0.0)
         divergence, resume = len(draft) - 1, cache  # (unreachable for a greedy draft) go on decoding
+    # `tokens` is the answer so far; the cache holds every token but the last, which is argmax(`row`).
+    tokens = list(draft[:divergence]) + [int(stacked[divergence].argmax())]
+    row = stacked[divergence]
+    if not step_by_step:
+        tokens, row = _follow_candidates(
+            model, resume, tokens, row, candidates, mask, last_pos, eos, max_new_tokens
+        )
+    done = tokens[-1] in eos or len(tokens) >= max_new_tokens
+    start = len(tokens) - 1
+    if done:
+        return DraftDecoded(tokens, logprobs, divergence, 0, 0.0)
     decoded = decode_loop(
-        model, resume, stacked[divergence : divergence + 1], _extend(mask, divergence),
-        last_pos + divergence, eos, max_new_tokens - divergence,
-    )  # fmt: skip
-    tokens = list(draft[:divergence]) + decoded.generated[0]
-    return DraftDecoded(tokens, logprobs, divergence, decoded.steps, decoded.seconds)
+        model, resume, row[None], _extend(mask, start), last_pos + start, eos, max_new_tokens - start
+    )
+    answer = tokens[:-1] + decoded.generated[0]
+    return DraftDecoded(answer, logprobs, divergence, decoded.steps, decoded.seconds)
+
+
+def _follow_candidates(
+    model: PreTrainedModel,
+    cache: BudgetCache,
+    tokens: list[int],
+    row: torch.Tensor,
+    candidates: list[list[int]],
+    mask: torch.Tensor,
+    last_pos: torch.Tensor,
+    eos: set[int],
+    max_new_tokens: int,
+) -> tuple[list[int], torch.Tensor]:
+    """Extend ``tokens`` by verifying candidates that continue it (speculative decoding, greedy).
+
+    The cache holds ``tokens[:-1]`` on entry and on return; ``row`` is the logits row whose argmax
+    is ``tokens[-1]``.
+    """
+    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+        k = len(tokens)
+        match = next((c for c in candidates if len(c) > k and c[:k] == tokens), None)
+        if match is None:
+            break
+        match = match[:max_new_tokens]
+        verify = _feed(model, cache, match[k - 1 : -1], mask, last_pos, k - 1)
+        greedy = verify.argmax(-1).tolist()
+        accepted = next((j for j, g in enumerate(greedy) if g != match[k + j]), len(greedy))
+        if accepted < len(greedy):  # diverged: keep the agreeing part and the method's own token
+            tokens = match[: k + accepted] + [greedy[accepted]]
+            cache.drop_last(len(match) - 1 - (k + accepted))
+        else:
+            tokens = list(match)
+        row = verify[accepted if accepted < len(greedy) else -1]
+    return tokens, row

@@ -192,12 +192,16 @@ class Runner:
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
         snapshot = take_snapshot(self.model, inputs) if self.config.shared else None
         reference = self._run_one(snapshot, prompt, sample, make_method("full"), None, teacher=None)
+        answers: list[list[int]] = []  # earlier runs' answers: drafts for the later ones
         for spec, budget in pending:
             if spec.name == "full":
                 outcome = reference
             else:
                 try:
-                    outcome = self._run_one(snapshot, prompt, sample, spec.build(), budget, teacher=reference)
+                    outcome = self._run_one(
+                        snapshot, prompt, sample, spec.build(), budget, teacher=reference, candidates=answers
+                    )
+                    answers.insert(0, outcome.token_ids)
                 except Exception as err:
                     self._record_error(task, length, index, sample, spec, budget, err)
                     bar.update(1)
@@ -213,6 +217,7 @@ class Runner:
         method: Method,
         budget: int | None,
         teacher: RunOutcome | None,
+        candidates: list[list[int]] = (),
     ) -> RunOutcome:
         """Generate with one method; with ``teacher``, also its log-probs on the teacher's answer."""
         inputs = (
@@ -251,7 +256,7 @@ class Runner:
         else:  # the reference answer is a draft: one pass gives log-probs and the agreeing prefix
             drafted = decode_with_draft(
                 self.model, cache, logits, teacher.token_ids, inputs.mask, last_pos, self.eos,
-                sample.max_new_tokens, step_by_step,
+                sample.max_new_tokens, step_by_step, candidates,
             )  # fmt: skip
             ids, steps, decode_s = drafted.token_ids, drafted.steps, drafted.seconds
             accepted = drafted.accepted

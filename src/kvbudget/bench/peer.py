@@ -130,11 +130,16 @@ def run_ours(model, sample: dict[str, Any], method: str, budget: int) -> dict[st
         eos = set(sample["eos_ids"])
         decoded = decode_loop(model, cache, logits, mask, last, eos, sample["max_new_tokens"])
         end = time.perf_counter()
+        final = cache.stats()
+    # count the compressed context only (kvpress's count is taken before the question is fed)
     entry = cache.layers[0].entry_bytes()
+    question = model.config.num_hidden_layers * model.config.num_key_value_heads * len(sample["question_ids"])
     return {
         "sample": sample["id"], "method": method, "budget": budget, "token_ids": decoded.generated[0],
         "wall_s": end - start, "prefill_s": prefilled - start, "compress_s": session.compress_seconds,
-        "kept_entries": stats.logical_bytes // entry, "allocated_entries": stats.physical_bytes // entry,
+        "kept_entries": stats.logical_bytes // entry - question,
+        "allocated_entries": stats.physical_bytes // entry - question,
+        "final_entries": final.logical_bytes // entry,
     }  # fmt: skip
 
 

@@ -193,5 +193,16 @@ def test_worker_measures_a_real_run() -> None:
     assert row["weight_bytes"] == weight_bytes(model)
     assert row["peak_rss_bytes"] > row["weight_bytes"]
     assert row["decode_steps"] == 2 and row["tpot_s"] > 0 and row["ttft_s"] > row["compress_s"] > 0
-    assert row["prompt_tokens"] > 256
+    assert 240 <= row["prompt_tokens"] <= 256
     json.dumps(row)
+
+
+@pytest.mark.integration
+def test_fit_prompt_hits_the_requested_total_length() -> None:
+    from kvbudget.bench.measure import fit_prompt
+    from kvbudget.models import load_model
+
+    _, tokenizer = load_model("smollm2-135m")
+    for length in (300, 1000):
+        prompt = fit_prompt(tokenizer, "needle", length)
+        assert length - 15 <= len(prompt.ids) <= length

@@ -33,7 +33,8 @@ class MeasureSpec:
     Attributes:
         model: registry name, local HF directory or .gguf file.
         method: method spec, ``name`` or ``name:key=value,...`` (``full`` = no compression).
-        length: context length in tokens (the task generator fits it within a few percent).
+        length: prompt length in tokens, template and question included (:func:`fit_prompt`), capped
+            so the prompt and ``new_tokens`` fit the model's context (8192 − 64 for smollm2-135m).
         budget: entries per KV head (ignored by ``full``).
         new_tokens: tokens generated after the prompt (TPOT is the mean over the last
             ``new_tokens − 1``; the first comes from the prefill's logits).
@@ -53,17 +54,35 @@ class MeasureSpec:
     repeat: int = 0
 
 
+def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
+    """A prompt of the task's first sample, ``length`` tokens long in all (template and question too).
+
+    The generator sizes the context; the context is shortened by what the chat template, the
+    question and the answer prefix add (within a few tokens: the generators cut at sentences).
+    """
+    from kvbudget.engine import build_prompt
+    from kvbudget.eval.tasks import get_task
+
+    maker = get_task(task).make_samples
+    sample = maker(tokenizer, length, 1, seed)[0]
+    prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    excess = len(prompt.ids) - length
+    if excess > 0:
+        sample = maker(tokenizer, length - excess, 1, seed)[0]
+        prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    return prompt
+
+
 def measure(spec: MeasureSpec) -> dict[str, Any]:
     """Run ``spec`` in this process and return its row (see :mod:`kvbudget.bench.grid`)."""
-    from kvbudget.engine import build_prompt, decode_loop, prefill
+    from kvbudget.engine import decode_loop, prefill
     from kvbudget.eval.runner import MethodSpec
-    from kvbudget.eval.tasks import get_task
     from kvbudget.models import load_model
     from kvbudget.session import CompressionSession
 
     model, tokenizer = load_model(spec.model, dtype=spec.dtype)
-    sample = get_task(spec.task).make_samples(tokenizer, spec.length, 1, spec.seed)[0]
-    prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    prompt = fit_prompt(tokenizer, spec.task, min(spec.length, max_context - spec.new_tokens), spec.seed)
     method = MethodSpec.parse(spec.method).build()
     budget = spec.budget
     method.check_budget(budget)

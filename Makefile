@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m
 
-.PHONY: install fetch test demo lint
+.PHONY: install fetch test demo lint peer
 
 # The stamp is rebuilt only when pyproject.toml changes, so `make install` is quick on rerun.
 install: $(VENV)/.installed
@@ -29,3 +29,18 @@ demo: fetch
 
 lint: install
 	$(BIN)/ruff check src tests
+
+# A separate environment with NVIDIA's kvpress for the side-by-side benchmark
+# (`kvbudget bench peer`). kvpress 0.5.5 needs transformers < 5.3, so it never shares the main
+# .venv; torch is pinned to the same CPU build (any other spec may pull a multi-GB CUDA build).
+PEER_VENV := .venv-peer
+PEER_REQUIREMENTS := torch==2.13.0 "transformers>=4.56,<5.3" kvpress==0.5.5
+
+peer: $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.installed: Makefile
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install --quiet $(PEER_REQUIREMENTS)
+	$(PEER_VENV)/bin/python -c "import kvpress, transformers, torch; print('kvpress', kvpress.__version__ if hasattr(kvpress, '__version__') else '0.5.5', 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $@

@@ -1,4 +1,4 @@
-"""The ``kvbudget`` command line (typer): methods, generate, fetch, demo.
+"""The ``kvbudget`` command line (typer): methods, generate, fetch, eval, report, demo, bench.
 
 User errors (unknown method or model, bad budget, missing artifact, ...) print one line to stderr
 and exit with code 2.
@@ -241,6 +241,77 @@ def demo(
     from kvbudget.demo import run_demo
 
     run_demo(model=model, length=length, out=out, console=console)
+
+
+bench_app = typer.Typer(help="Latency, memory and scaling benchmarks; `bench peer` compares with kvpress.")
+app.add_typer(bench_app, name="bench")
+
+
+def _ints(values: list[str] | None, what: str) -> list[int] | None:
+    try:
+        return [int(v) for v in _split(values)] or None
+    except ValueError:
+        raise KVBudgetError(f"--{what} expects integers, got {values}") from None
+
+
+@bench_app.callback(invoke_without_command=True)
+@user_errors
+def bench(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="Model (registry name or local path).")] = "smollm2-135m",
+    methods: Annotated[
+        list[str] | None, typer.Option(help="Methods (comma-separated); `full` is the uncompressed baseline.")
+    ] = None,
+    budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
+    lengths: Annotated[list[str] | None, typer.Option(help="Context lengths in tokens.")] = None,
+    repeats: Annotated[int, typer.Option(help="Runs per configuration (each a fresh process).")] = 3,
+    new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run (TPOT is their mean).")] = 64,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    threads: Annotated[int | None, typer.Option(help="Torch threads per run (default: inherited).")] = None,
+    out: Annotated[Path, typer.Option(help="Output directory (bench.json, bench.md, plots).")] = Path(
+        "runs/bench"
+    ),
+) -> None:
+    """TTFT, TPOT, compression time, peak memory and KV bytes per method and context length."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from kvbudget.bench.grid import BenchConfig, run_bench
+
+    config = BenchConfig(model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads)
+    config.methods = _split(methods) or config.methods
+    config.budgets = _ints(budgets, "budgets") or config.budgets
+    config.lengths = _ints(lengths, "lengths") or config.lengths
+    path = run_bench(config, out, progress=console.print)
+    console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'bench.md'}[/bold]")
+
+
+@bench_app.command("peer")
+@user_errors
+def bench_peer(
+    model: Annotated[str, typer.Option(help="Model (registry name or local HF directory).")] = "smollm2-135m",
+    tasks: Annotated[list[str] | None, typer.Option(help="Tasks whose generators make the samples.")] = None,
+    lengths: Annotated[list[str] | None, typer.Option(help="Context lengths in tokens.")] = None,
+    limit: Annotated[int, typer.Option(help="Samples per task and length.")] = 5,
+    methods: Annotated[
+        list[str] | None, typer.Option(help="Our methods with a kvpress counterpart (default: all).")
+    ] = None,
+    budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    peer_python: Annotated[
+        Path, typer.Option(help="Python of the kvpress environment (`make peer`).")
+    ] = Path(".venv-peer/bin/python"),
+    out: Annotated[Path, typer.Option(help="Output directory (peer.json, peer.md).")] = Path("runs/peer"),
+) -> None:
+    """The same samples through kvpress presses and our methods with matching settings."""
+    from kvbudget.bench.peer import PeerConfig, run_peer
+
+    config = PeerConfig(model=model, limit=limit, dtype=dtype, peer_python=str(peer_python))
+    config.tasks = _split(tasks) or config.tasks
+    config.lengths = _ints(lengths, "lengths") or config.lengths
+    config.methods = _split(methods) or config.methods
+    config.budgets = _ints(budgets, "budgets") or config.budgets
+    path = run_peer(config, out, progress=console.print)
+    console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'peer.md'}[/bold]")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,0 +1,161 @@
+"""Run exported samples through NVIDIA kvpress presses (executed by ``.venv-peer/bin/python``).
+
+A standalone script: it imports nothing from kvbudget (the peer environment has another
+transformers), reads ``samples.jsonl`` (token ids already built by kvbudget's task generators and
+chat template) and ``jobs.json`` (press name, options, budget), and writes one JSON line per
+(sample, job) to ``--out``. The decode mirrors kvpress's own pipeline: the context is prefilled
+by the model body inside ``with press(model)``, then the question is fed at its true positions
+and tokens are chosen greedily until an EOS id (given by the caller) or ``max_new_tokens``.
+
+``--indices`` instead prefills each sample's context once with the press and once without, and
+writes, per layer and KV head, the positions the press kept (found by matching the kept keys
+against the full cache's, or from AdaKV's masked indices) — the oracle test compares them with
+kvbudget's selection.
+
+Usage: python -P kvpress_runner.py --model DIR --samples S.jsonl --jobs J.json --out O.jsonl [--indices]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def make_press(job: dict, k_len: int):
+    """The kvpress press of ``job`` with a compression ratio that keeps ``budget`` entries per head.
+
+    kvpress keeps ``int(k_len · (1 − ratio))`` (PyramidKV's fallback rounds it); a ratio of
+    ``1 − (budget + 0.25) / k_len`` makes both equal ``budget`` exactly.
+    """
+    import kvpress
+
+    budget = job["budget"]
+    ratio = 0.0 if budget >= k_len else 1.0 - (budget + 0.25) / k_len
+    cls = getattr(kvpress, job["press"])
+    if "inner" in job:  # a wrapper press (AdaKVPress) around a scorer press
+        inner_cls = getattr(kvpress, job["inner"]["press"])
+        inner = inner_cls(compression_ratio=ratio, **job["inner"].get("kwargs", {}))
+        return cls(press=inner, **job.get("kwargs", {}))
+    return cls(compression_ratio=ratio, **job.get("kwargs", {}))
+
+
+def cache_entries(cache, model) -> tuple[int, int]:
+    """(kept entries, allocated entries) summed over layers and KV heads."""
+    allocated = sum(layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
+    masked = 0
+    for layer in model.model.layers:
+        idx = getattr(layer.self_attn, "masked_key_indices", None)
+        if idx is not None:
+            masked += int(idx[0].numel())
+    return allocated - masked, allocated
+
+
+@torch.inference_mode()
+def run_one(model, sample: dict, job: dict) -> dict:
+    from transformers import DynamicCache
+
+    ctx = torch.tensor([sample["context_ids"]])
+    question = torch.tensor([sample["question_ids"]])
+    eos = set(sample["eos_ids"])
+    press = make_press(job, ctx.shape[1])
+    model.set_attn_implementation(job.get("attn", "sdpa"))
+    cache = DynamicCache()
+    start = time.perf_counter()
+    with press(model):
+        model.model(input_ids=ctx, past_key_values=cache)
+    compressed = time.perf_counter()
+    kept, allocated = cache_entries(cache, model)
+    positions = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
+    out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+    token = out.logits[0, -1].argmax()
+    generated = [int(token)]
+    pos = positions[:, -1:]
+    for _ in range(sample["max_new_tokens"] - 1):
+        if generated[-1] in eos:
+            break
+        pos = pos + 1
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=pos)
+        token = out.logits[0, -1].argmax()
+        generated.append(int(token))
+    end = time.perf_counter()
+    for layer in model.model.layers:  # AdaKV leaves its masks on the modules
+        layer.self_attn.masked_key_indices = None
+    return {
+        "sample": sample["id"], "method": job["method"], "budget": job["budget"], "token_ids": generated,
+        "wall_s": end - start, "prefill_s": compressed - start, "kept_entries": kept,
+        "allocated_entries": allocated,
+    }  # fmt: skip
+
+
+@torch.inference_mode()
+def kept_indices(model, sample: dict, job: dict) -> dict:
+    """Per layer and KV head, the sorted context positions the press kept."""
+    from transformers import DynamicCache
+
+    ctx = torch.tensor([sample["context_ids"]])
+    model.set_attn_implementation(job.get("attn", "sdpa"))
+    full = DynamicCache()
+    model.model(input_ids=ctx, past_key_values=full)
+    press = make_press(job, ctx.shape[1])
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=ctx, past_key_values=cache)
+    layers = []
+    for li, (layer, attn) in enumerate(zip(cache.layers, model.model.layers, strict=True)):
+        full_keys = full.layers[li].keys[0]  # [h, n, d]
+        kept_keys = layer.keys[0]  # [h, k, d]
+        masked = getattr(attn.self_attn, "masked_key_indices", None)
+        heads = []
+        for h in range(full_keys.shape[0]):
+            dist = torch.cdist(kept_keys[h].double(), full_keys[h].double())  # [k, n]
+            best = dist.min(-1)
+            if float(best.values.max()) > 1e-6 * float(full_keys[h].norm(dim=-1).max()):
+                raise RuntimeError(f"layer {li} head {h}: a kept key matches no key of the full cache")
+            idx = set(best.indices.tolist())
+            if masked is not None:
+                b, hh, s = masked
+                idx -= {int(p) for p, head in zip(s.tolist(), hh.tolist(), strict=True) if head == h}
+            heads.append(sorted(idx))
+        layers.append(heads)
+        attn.self_attn.masked_key_indices = None
+    return {"sample": sample["id"], "method": job["method"], "budget": job["budget"], "indices": layers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--samples", required=True)
+    parser.add_argument("--jobs", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--indices", action="store_true")
+    parser.add_argument("--warmup", action="store_true", help="run the first job once untimed first")
+    args = parser.parse_args(argv)
+
+    import kvpress  # noqa: F401  (fails early when the peer environment is broken)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), local_files_only=True
+    ).eval()
+    with open(args.samples) as fh:
+        samples = [json.loads(line) for line in fh if line.strip()]
+    with open(args.jobs) as fh:
+        jobs = json.load(fh)
+    if args.warmup and samples and jobs and not args.indices:
+        run_one(model, {**samples[0], "max_new_tokens": 2}, jobs[0])
+    with open(args.out, "w") as out:
+        for sample in samples:
+            for job in jobs:
+                row = kept_indices(model, sample, job) if args.indices else run_one(model, sample, job)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

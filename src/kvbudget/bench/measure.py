@@ -1,0 +1,148 @@
+"""One benchmark measurement: one method, one context length, one budget, in this process.
+
+Run it in a fresh process per measurement (``python -m kvbudget.bench.measure SPEC_JSON``, as
+:mod:`kvbudget.bench.grid` does): the model is loaded, warmed up, the peak-RSS high-water mark is
+reset (:mod:`kvbudget.bench.memory`), then the prompt is prefilled with layer-wise compression
+and ``new_tokens`` tokens are decoded greedily, never stopping at EOS so every run decodes the
+same number of steps. The worker prints one JSON line (the row) as its last line of output.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvbudget.bench.bandwidth import weight_bytes
+from kvbudget.bench.memory import current_rss_bytes, peak_rss_bytes, reset_peak
+
+#: the prefix of the worker's result line on stdout
+RESULT_PREFIX = "KVBUDGET_BENCH_ROW "
+
+
+@dataclass
+class MeasureSpec:
+    """What one measurement runs.
+
+    Attributes:
+        model: registry name, local HF directory or .gguf file.
+        method: method spec, ``name`` or ``name:key=value,...`` (``full`` = no compression).
+        length: prompt length in tokens, template and question included (:func:`fit_prompt`), capped
+            so the prompt and ``new_tokens`` fit the model's context (8192 − 64 for smollm2-135m).
+        budget: entries per KV head (ignored by ``full``).
+        new_tokens: tokens generated after the prompt (TPOT is the mean over the last
+            ``new_tokens − 1``; the first comes from the prefill's logits).
+        dtype: model dtype (``float32`` or ``bfloat16``).
+        task: task whose generator makes the prompt (``needle``: an essay haystack with a question).
+        seed: sample seed; repeat: index of this repetition (recorded only).
+    """
+
+    model: str = "smollm2-135m"
+    method: str = "snapkv"
+    length: int = 1024
+    budget: int = 128
+    new_tokens: int = 64
+    dtype: str = "float32"
+    task: str = "needle"
+    seed: int = 0
+    repeat: int = 0
+
+
+def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
+    """A prompt of the task's first sample, ``length`` tokens long in all (template and question too).
+
+    The generator sizes the context; the context is shortened by what the chat template, the
+    question and the answer prefix add (within a few tokens: the generators cut at sentences).
+    """
+    from kvbudget.engine import build_prompt
+    from kvbudget.eval.tasks import get_task
+
+    maker = get_task(task).make_samples
+    sample = maker(tokenizer, length, 1, seed)[0]
+    prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    excess = len(prompt.ids) - length
+    if excess > 0:
+        sample = maker(tokenizer, length - excess, 1, seed)[0]
+        prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    return prompt
+
+
+def measure(spec: MeasureSpec) -> dict[str, Any]:
+    """Run ``spec`` in this process and return its row (see :mod:`kvbudget.bench.grid`)."""
+    from kvbudget.engine import decode_loop, prefill
+    from kvbudget.eval.runner import MethodSpec
+    from kvbudget.models import load_model
+    from kvbudget.session import CompressionSession
+
+    model, tokenizer = load_model(spec.model, dtype=spec.dtype)
+    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    prompt = fit_prompt(tokenizer, spec.task, min(spec.length, max_context - spec.new_tokens), spec.seed)
+    method = MethodSpec.parse(spec.method).build()
+    budget = spec.budget
+    method.check_budget(budget)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    layers = model.config.num_hidden_layers
+
+    # warm-up: one short prefill and two decode steps with the same method (kernels, allocator)
+    warm = type(prompt)(prompt.ids[: min(len(prompt.ids), 2 * budget + 64)], [])
+    session = CompressionSession(MethodSpec.parse(spec.method).build(), layers, budget=budget)
+    cache, logits, mask, last = prefill(model, [warm], session, pad_id)
+    decode_loop(model, cache, logits, mask, last, set(), 3)
+    del cache, logits, session
+    gc.collect()
+
+    rss_before = current_rss_bytes()
+    reset_ok = reset_peak()
+    session = CompressionSession(method, layers, budget=budget)
+    start = time.perf_counter()
+    cache, logits, mask, last = prefill(model, [prompt], session, pad_id)
+    prefill_wall = time.perf_counter() - start
+    after_prefill = cache.stats()
+    decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens)
+    total_wall = time.perf_counter() - start
+    first_token = total_wall - prefill_wall - decoded.seconds
+    after_decode = cache.stats()
+    peak = peak_rss_bytes()
+    return {
+        **asdict(spec),
+        "prompt_tokens": len(prompt.ids),
+        "ttft_s": prefill_wall + first_token,
+        "tpot_s": decoded.seconds / decoded.steps if decoded.steps else float("nan"),
+        "compress_s": session.compress_seconds,
+        "prefill_s": prefill_wall - session.compress_seconds,
+        "decode_steps": decoded.steps,
+        "decode_trim_s": session.decode_seconds,
+        "peak_rss_bytes": peak,
+        "rss_before_bytes": rss_before,
+        "peak_rss_reset": reset_ok,
+        "kv_peak_bytes": after_decode.extra["peak_physical_bytes"],
+        "logical_bytes": after_prefill.logical_bytes,
+        "physical_bytes": after_prefill.physical_bytes,
+        "decode_kv_bytes": after_decode.physical_bytes,
+        "weight_bytes": weight_bytes(model),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbudget.bench.measure '{"method": "snapkv", ...}'``: print the row as JSON."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        spec = MeasureSpec(**json.loads(args[0]))
+        row = measure(spec)
+    except Exception as exc:  # the grid records the failure as a row and goes on
+        row = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        print(RESULT_PREFIX + json.dumps(row), flush=True)
+        return 1
+    print(RESULT_PREFIX + json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

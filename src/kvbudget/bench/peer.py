@@ -1,0 +1,275 @@
+"""Side by side with NVIDIA kvpress: the same samples, matching settings, one run.
+
+Samples come from kvbudget's task generators and are exported as token ids (chat template,
+context / question split) to ``DIR/samples.jsonl``, so both libraries read identical tokens.
+Both run question-agnostic, as kvpress does: the context is prefilled and compressed, the
+question appended uncompressed, then greedy decoding with the same EOS ids — and compression
+happens only in the prefill (our decode-stage methods are run with the session detached after
+the prefill, since kvpress presses do not evict while decoding). kvpress runs in its own
+environment (``make peer`` → ``.venv-peer``) through the standalone
+:mod:`kvbudget.bench.kvpress_runner` script; ours runs in this process, after it, never at the
+same time. Both sides warm up on one untimed run first.
+
+:data:`PEERS` pairs each of our methods with the press and options that match it; where the
+algorithms still differ (allocation formulas, score normalisation), ``docs/benchmarks.md``
+says how.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbudget.errors import KVBudgetError
+
+#: our method spec ↔ kvpress press (name, options; ``inner`` for wrapper presses; ``attn`` when
+#: the press needs another attention implementation). kvpress's SnapKV defaults: window 64,
+#: kernel 5, average pooling, mean over window rows, GQA mean.
+_SNAP = {"window_size": 64, "kernel_size": 5}
+_OUR_SNAP = "window=64,kernel=5,pooling=avg,reduce_rows=mean"
+PEERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "snapkv": (f"snapkv:{_OUR_SNAP}", {"press": "SnapKVPress", "kwargs": _SNAP}),
+    "streamingllm": ("streamingllm:sinks=4", {"press": "StreamingLLMPress", "kwargs": {"n_sink": 4}}),
+    "knorm": ("knorm", {"press": "KnormPress"}),
+    "pyramidkv": (
+        f"pyramidkv:{_OUR_SNAP},beta=20", {"press": "PyramidKVPress", "kwargs": {**_SNAP, "beta": 20}}
+    ),
+    "ada-snapkv": (
+        f"ada-snapkv:{_OUR_SNAP},floor_alpha=0.2",
+        {"press": "AdaKVPress", "inner": {"press": "SnapKVPress", "kwargs": _SNAP},
+         "kwargs": {"alpha_safeguard": 0.2}},
+    ),  # fmt: skip
+    "tova": ("tova", {"press": "TOVAPress"}),
+    "h2o": ("h2o:heavy_fraction=1.0", {"press": "ObservedAttentionPress", "attn": "eager"}),
+}
+
+
+def runner_script() -> Path:
+    """Path of the standalone kvpress runner (executed by the peer environment's Python)."""
+    return Path(__file__).with_name("kvpress_runner.py")
+
+
+def peer_python_path(path: str | os.PathLike[str]) -> Path | None:
+    """``path`` if it is an executable Python of a kvpress environment, else None."""
+    p = Path(path)
+    if p.is_file() and os.access(p, os.X_OK):
+        return p
+    found = shutil.which(str(path)) if not p.is_absolute() and p.parent == Path() else None
+    return Path(found) if found else None
+
+
+@dataclass
+class PeerConfig:
+    model: str = "smollm2-135m"
+    tasks: list[str] = field(default_factory=lambda: ["needle"])
+    lengths: list[int] = field(default_factory=lambda: [2048])
+    limit: int = 5
+    methods: list[str] = field(default_factory=lambda: list(PEERS))
+    budgets: list[int] = field(default_factory=lambda: [256])
+    dtype: str = "float32"
+    seed: int = 0
+    peer_python: str = ".venv-peer/bin/python"
+
+    def validate(self) -> None:
+        unknown = [m for m in self.methods if m not in PEERS]
+        if unknown:
+            raise KVBudgetError(
+                f"no kvpress counterpart for {', '.join(unknown)}: expected some of {', '.join(PEERS)}"
+            )
+        if self.limit < 1:
+            raise KVBudgetError(f"limit must be ≥ 1, got {self.limit}")
+        if not self.budgets or any(b <= 0 for b in self.budgets):
+            raise KVBudgetError(f"budgets must be positive integers, got {self.budgets}")
+
+
+def export_samples(config: PeerConfig, tokenizer, eos: set[int], path: Path) -> list[dict[str, Any]]:
+    """Generate the samples with our task generators and write them as token ids (JSONL)."""
+    from kvbudget.engine import build_prompt
+    from kvbudget.eval.tasks import get_task
+
+    rows = []
+    for task_name in config.tasks:
+        task = get_task(task_name)
+        for length in config.lengths:
+            for i, s in enumerate(task.make_samples(tokenizer, length, config.limit, config.seed)):
+                prompt = build_prompt(tokenizer, s.context, s.question, s.answer_prefix)
+                rows.append({
+                    "id": f"{task_name}/{length}/{i}", "task": task_name, "length": length,
+                    "context_ids": prompt.context_ids, "question_ids": prompt.question_ids,
+                    "answers": s.answers, "max_new_tokens": s.max_new_tokens, "eos_ids": sorted(eos),
+                })  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def run_ours(model, sample: dict[str, Any], method: str, budget: int) -> dict[str, Any]:
+    """One sample through our method: question-agnostic prefill, compression in the prefill only."""
+    import torch
+
+    from kvbudget.engine import Prompt, decode_loop, prefill
+    from kvbudget.eval.runner import MethodSpec
+    from kvbudget.session import CompressionSession
+
+    method_obj = MethodSpec.parse(PEERS[method][0]).build()
+    session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget)
+    prompt = Prompt(sample["context_ids"], sample["question_ids"])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        cache, logits, mask, last = prefill(model, [prompt], session, 0, compress_context_only=True)
+        prefilled = time.perf_counter()
+        stats = cache.stats()
+        cache.session = None  # kvpress presses evict only in the prefill
+        eos = set(sample["eos_ids"])
+        decoded = decode_loop(model, cache, logits, mask, last, eos, sample["max_new_tokens"])
+        end = time.perf_counter()
+        final = cache.stats()
+    # count the compressed context only (kvpress's count is taken before the question is fed)
+    entry = cache.layers[0].entry_bytes()
+    question = model.config.num_hidden_layers * model.config.num_key_value_heads * len(sample["question_ids"])
+    return {
+        "sample": sample["id"], "method": method, "budget": budget, "token_ids": decoded.generated[0],
+        "wall_s": end - start, "prefill_s": prefilled - start, "compress_s": session.compress_seconds,
+        "kept_entries": stats.logical_bytes // entry - question,
+        "allocated_entries": stats.physical_bytes // entry - question,
+        "final_entries": final.logical_bytes // entry,
+    }  # fmt: skip
+
+
+def run_kvpress(
+    python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], out: Path, dtype: str
+) -> list[dict[str, Any]]:
+    jobs_path = out.with_name("jobs.json")
+    jobs_path.write_text(json.dumps(jobs, indent=1))
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the peer environment must not see this checkout's kvbudget
+    proc = subprocess.run(
+        [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
+         "--jobs", str(jobs_path), "--out", str(out), "--dtype", dtype, "--warmup"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+        raise KVBudgetError(f"the kvpress runner failed (exit {proc.returncode}):\n{tail}")
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def summarise(
+    samples: list[dict[str, Any]], ours: list[dict[str, Any]], theirs: list[dict[str, Any]], tokenizer
+) -> list[dict[str, Any]]:
+    """Per (method, budget): accuracy of each side, answers that agree, wall-time ratio."""
+    from kvbudget.eval.tasks import get_task
+
+    by_id = {s["id"]: s for s in samples}
+    eos = set(samples[0]["eos_ids"]) if samples else set()
+
+    def score(row: dict[str, Any]) -> float:
+        ids = row["token_ids"]
+        ids = ids[:-1] if ids and ids[-1] in eos else ids
+        sample = by_id[row["sample"]]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return float(get_task(sample["task"]).metric(text, sample["answers"]))
+
+    theirs_by = {(r["sample"], r["method"], r["budget"]): r for r in theirs}
+    groups: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
+    for r in ours:
+        other = theirs_by.get((r["sample"], r["method"], r["budget"]))
+        if other is not None:
+            groups.setdefault((r["method"], r["budget"]), []).append((r, other))
+    rows = []
+    for (method, budget), pairs in groups.items():
+        ours_scores = [score(a) for a, _ in pairs]
+        peer_scores = [score(b) for _, b in pairs]
+        ours_time = sum(a["wall_s"] for a, _ in pairs)
+        peer_time = sum(b["wall_s"] for _, b in pairs)
+        rows.append({
+            "method": method, "budget": budget, "samples": len(pairs), "ours_spec": PEERS[method][0],
+            "press": PEERS[method][1]["press"] + (f"({PEERS[method][1]['inner']['press']})"
+                                                  if "inner" in PEERS[method][1] else ""),
+            "ours_accuracy": sum(ours_scores) / len(pairs), "kvpress_accuracy": sum(peer_scores) / len(pairs),
+            "accuracy_diff_samples": sum(ours_scores) - sum(peer_scores),
+            "same_answer": sum(a["token_ids"] == b["token_ids"] for a, b in pairs) / len(pairs),
+            "ours_wall_s": ours_time, "kvpress_wall_s": peer_time, "wall_ratio": ours_time / peer_time,
+            "ours_prefill_s": statistics.median(a["prefill_s"] for a, _ in pairs),
+            "kvpress_prefill_s": statistics.median(b["prefill_s"] for _, b in pairs),
+            "ours_kept_entries": statistics.median(a["kept_entries"] for a, _ in pairs),
+            "kvpress_kept_entries": statistics.median(b["kept_entries"] for _, b in pairs),
+            "ours_allocated_entries": statistics.median(a["allocated_entries"] for a, _ in pairs),
+            "kvpress_allocated_entries": statistics.median(b["allocated_entries"] for _, b in pairs),
+        })  # fmt: skip
+    return rows
+
+
+def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: dict[str, str]) -> str:
+    lines = [
+        "# kvbudget vs kvpress",
+        "",
+        f"Model `{config.model}` ({config.dtype}); tasks {', '.join(config.tasks)}; lengths "
+        f"{', '.join(map(str, config.lengths))}; {config.limit} samples each; question-agnostic, compression "
+        f"in the prefill only, greedy. {versions}.",
+        "",
+        "| ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer | "
+        "wall s ours / kvpress (ratio) | entries kept ours / kvpress | allocated ours / kvpress |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["method"], r["budget"])):
+        lines.append(
+            f"| `{r['ours_spec']}` | {r['press']} | {r['budget']} | {r['samples']} | "
+            f"{100 * r['ours_accuracy']:.0f} / {100 * r['kvpress_accuracy']:.0f} | "
+            f"{r['accuracy_diff_samples']:+.0f} | "
+            f"{100 * r['same_answer']:.0f}% | {r['ours_wall_s']:.1f} / {r['kvpress_wall_s']:.1f} "
+            f"({r['wall_ratio']:.2f}) | {r['ours_kept_entries']:.0f} / {r['kvpress_kept_entries']:.0f} | "
+            f"{r['ours_allocated_entries']:.0f} / {r['kvpress_allocated_entries']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """Export samples, run kvpress (its environment), run ours, write ``peer.json`` and ``peer.md``."""
+    from kvbudget.engine import eos_ids
+    from kvbudget.models import _resolve_source, load_model
+
+    config.validate()
+    python = peer_python_path(config.peer_python)
+    if python is None:
+        raise KVBudgetError(f"no kvpress environment at {config.peer_python}: run `make peer` first")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda _msg: None)
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
+    eos = eos_ids(model, tokenizer)
+    samples = export_samples(config, tokenizer, eos, out / "samples.jsonl")
+    jobs = [
+        {**PEERS[m][1], "method": m, "budget": b} for m in config.methods for b in config.budgets
+    ]
+    say(f"kvpress: {len(samples)} samples × {len(jobs)} presses")
+    theirs = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
+                         out / "kvpress.jsonl", config.dtype)  # fmt: skip
+    say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods")
+    run_ours(model, {**samples[0], "max_new_tokens": 2}, jobs[0]["method"], jobs[0]["budget"])  # warm-up
+    ours = []
+    for sample in samples:
+        for job in jobs:
+            ours.append(run_ours(model, sample, job["method"], job["budget"]))
+    (out / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    rows = summarise(samples, ours, theirs, tokenizer)
+    versions = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print('kvpress', m.version('kvpress'), "
+         "'/ transformers', m.version('transformers'), 'vs ours on transformers', end=' ')"],
+        capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    import transformers
+
+    versions += transformers.__version__
+    result = {"config": asdict(config), "versions": versions, "rows": rows}
+    path = out / "peer.json"
+    path.write_text(json.dumps(result, indent=1))
+    (out / "peer.md").write_text(markdown(config, rows, versions))
+    return path

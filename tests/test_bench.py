@@ -1,0 +1,208 @@
+"""Benchmark plumbing: memory high-water mark, bandwidth bound, aggregation, targets, report, peer."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+from conftest import TINY, tiny_model, tiny_tokenizer
+from kvbudget.bench import memory
+from kvbudget.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
+from kvbudget.bench.grid import BenchConfig, aggregate, run_worker
+from kvbudget.bench.measure import MeasureSpec
+from kvbudget.bench.peer import PEERS, PeerConfig, run_ours, summarise
+from kvbudget.bench.report import markdown, targets, write_bench_report
+from kvbudget.cli import app
+from kvbudget.errors import KVBudgetError
+
+
+@pytest.mark.skipif(not memory.reset_peak(), reason="peak RSS cannot be reset on this OS")
+def test_peak_rss_reset_sees_only_later_allocations() -> None:
+    big = np.ones(40_000_000)  # 320 MB, touched
+    del big
+    assert memory.reset_peak()
+    before = memory.current_rss_bytes()
+    assert memory.peak_rss_bytes() < before + 100_000_000  # the freed 320 MB no longer counts
+    block = np.ones(20_000_000)  # 160 MB
+    grown = memory.peak_rss_bytes() - before
+    assert 150_000_000 < grown < 250_000_000
+    del block
+
+
+def test_weight_bytes_counts_a_tied_embedding_once() -> None:
+    untied = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    tied = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True))
+    embedding = TINY["vocab_size"] * TINY["hidden_size"] * 4
+    assert weight_bytes(untied) == sum(p.numel() * 4 for p in untied.state_dict().values())
+    assert weight_bytes(tied) == weight_bytes(untied) - embedding
+
+
+def test_bandwidth_is_measured_and_bounds_decode() -> None:
+    bw = measure_bandwidth(size_bytes=32 << 20, repeats=2)
+    assert bw.copy > 1e8 and bw.read > 1e8  # any machine moves more than 100 MB/s
+    assert bw.size_bytes == 32 << 20 and bw.threads == torch.get_num_threads()
+    assert decode_bound_s(600, 400, 1000.0) == pytest.approx(1.0)
+
+
+def _run(method: str, length: int, budget: int, repeat: int, tpot: float, **extra) -> dict:
+    row = {
+        "method": method, "length": length, "budget": budget, "repeat": repeat, "prompt_tokens": length + 40,
+        "ttft_s": 2.0 + repeat, "tpot_s": tpot, "compress_s": 0.01 * (repeat + 1), "prefill_s": 1.0,
+        "peak_rss_bytes": 1000 + repeat, "kv_peak_bytes": 500, "logical_bytes": 100, "physical_bytes": 120,
+        "decode_kv_bytes": 200, "weight_bytes": 800,
+    }  # fmt: skip
+    return {**row, **extra}
+
+
+def test_aggregate_takes_medians_spreads_and_the_bound() -> None:
+    runs = [_run("snapkv", 1024, 64, r, t) for r, t in enumerate([0.03, 0.01, 0.02])]
+    runs += [_run("full", 1024, 64, r, 0.05) for r in range(2)]
+    runs.append({"method": "snapkv", "length": 1024, "budget": 64, "error": "boom"})
+    rows = {r["method"]: r for r in aggregate(runs, bandwidth=1e5)}
+    snap = rows["snapkv"]
+    assert snap["repeats"] == 3
+    assert snap["tpot_s"] == 0.02 and snap["tpot_s_spread"] == [0.01, 0.03]
+    assert snap["ttft_s"] == statistics.median([2.0, 3.0, 4.0])
+    assert snap["compress_overhead"] == pytest.approx(0.02)
+    assert snap["tpot_bound_s"] == pytest.approx((800 + 200) / 1e5)
+    assert snap["peak_rss_bytes"] == 1001
+    assert rows["full"]["budget"] is None and rows["full"]["repeats"] == 2
+
+
+def test_targets_report_ratios_and_verdicts() -> None:
+    runs = [
+        _run("full", 8192, 256, 0, 0.10, peak_rss_bytes=2000, kv_peak_bytes=800),
+        _run("snapkv", 8192, 256, 0, 0.05),
+        _run("lava", 8192, 256, 0, 0.07, peak_rss_bytes=1500, kv_peak_bytes=100),
+        _run("snapkv", 4096, 256, 0, 0.05, compress_s=0.05, prefill_s=1.0),
+        _run("ada-snapkv", 4096, 256, 0, 0.05, compress_s=0.01, prefill_s=1.0),
+    ]
+    checks = {t: (m, v) for t, m, v in targets(aggregate(runs, bandwidth=None))}
+    assert checks["compression ≤ 3% of prefill: snapkv @256, 4096 tokens"] == ("5.0%", "missed")
+    assert checks["compression ≤ 3% of prefill: ada-snapkv @256, 4096 tokens"] == ("1.0%", "met")
+    assert checks["TPOT ≤ 0.6 × full: snapkv @256, 8192 tokens"] == ("0.50", "met")
+    assert checks["TPOT ≤ 0.6 × full: lava @256, 8192 tokens"] == ("0.70", "missed")
+    measured, verdict = checks["peak memory below full: lava @256, 8192 tokens"]
+    assert measured.startswith("RSS 0.750") and verdict == "met"
+
+
+def test_report_writes_a_table_and_two_plots(tmp_path: Path) -> None:
+    runs = [_run(m, n, 64, 0, 0.01 * n / 1024) for m in ("full", "snapkv") for n in (1024, 2048)]
+    result = {
+        "machine": {"bandwidth": {"copy": 2e10, "read": 1e10, "size_bytes": 1 << 30, "threads": 1}},
+        "config": {"model": "m", "dtype": "float32", "new_tokens": 64, "repeats": 1, "threads": 1},
+        "rows": aggregate(runs, bandwidth=2e10),
+    }
+    text = markdown(result)
+    assert "| snapkv @64 | 2048 |" in text and "| full | 1024 |" in text
+    assert "copy 20.0 GB/s" in text
+    write_bench_report(result, tmp_path)
+    assert (tmp_path / "bench.md").read_text() == text
+    for name in ("time_vs_length.png", "memory_vs_length.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_bench_config_measures_full_once_per_length_and_validates() -> None:
+    config = BenchConfig(methods=["full", "snapkv"], budgets=[64, 128], lengths=[512, 1024], repeats=2)
+    specs = config.specs()
+    assert len(specs) == 2 * (2 + 2 * 2)
+    assert {s.budget for s in specs if s.method == "full"} == {128}
+    for bad in (BenchConfig(budgets=[0]), BenchConfig(repeats=0), BenchConfig(methods=["nope"])):
+        with pytest.raises(KVBudgetError):
+            bad.validate()
+
+
+def test_cli_bench_errors_are_one_line() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", "--budgets", "x"])
+    assert result.exit_code == 2 and "--budgets expects integers" in result.output
+    result = runner.invoke(app, ["bench", "peer", "--peer-python", "/nonexistent/python"])
+    assert result.exit_code == 2 and "make peer" in result.output
+    result = runner.invoke(app, ["bench", "peer", "--methods", "lava"])
+    assert result.exit_code == 2 and "no kvpress counterpart for lava" in result.output
+
+
+def test_worker_reports_errors_as_rows() -> None:
+    row = run_worker(MeasureSpec(model="/nonexistent/model", length=64, budget=64))
+    assert "error" in row and "nonexistent" in row["error"]
+
+
+def test_peer_runs_ours_with_compression_in_the_prefill_only() -> None:
+    model = tiny_model("llama")
+    context = list(range(3, 90)) * 2  # 174 tokens
+    question = [5, 6, 7, 8]
+    sample = {"id": "x", "context_ids": context, "question_ids": question, "eos_ids": [], "max_new_tokens": 6}
+    row = run_ours(model, sample, "streamingllm", 40)
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert row["kept_entries"] == row["allocated_entries"] == layers * heads * 40
+    assert len(row["token_ids"]) == 6
+    # the question and 5 decoded tokens stay: a decode-stage method does not trim here
+    assert row["final_entries"] == layers * heads * (40 + len(question) + 5)
+    assert row["wall_s"] >= row["prefill_s"] > 0
+
+
+def test_peer_summary_scores_both_sides_with_our_metric() -> None:
+    tok = tiny_tokenizer()
+    samples = [
+        {"id": f"s{i}", "task": "needle", "answers": ["4711"], "eos_ids": [1]} for i in range(3)
+    ]
+    right, wrong = tok.encode("4711"), tok.encode("0000")
+    ours = [
+        {"sample": f"s{i}", "method": "snapkv", "budget": 64, "token_ids": ids + [1], "wall_s": 1.0,
+         "prefill_s": 0.5, "kept_entries": 10, "allocated_entries": 10}
+        for i, ids in enumerate([right, right, wrong])
+    ]  # fmt: skip
+    theirs = [
+        {**r, "token_ids": ids, "wall_s": 2.0, "kept_entries": 10, "allocated_entries": 30}
+        for r, ids in zip(ours, [right + [1], wrong, wrong + [1]], strict=True)
+    ]
+    (row,) = summarise(samples, ours, theirs, tok)
+    assert row["ours_accuracy"] == pytest.approx(2 / 3) and row["kvpress_accuracy"] == pytest.approx(1 / 3)
+    assert row["accuracy_diff_samples"] == 1
+    assert row["same_answer"] == pytest.approx(2 / 3)
+    assert row["wall_ratio"] == pytest.approx(0.5)
+    assert row["kvpress_allocated_entries"] == 30
+    assert row["press"] == PEERS["snapkv"][1]["press"]
+
+
+def test_peer_config_rejects_methods_without_a_counterpart() -> None:
+    with pytest.raises(KVBudgetError, match="no kvpress counterpart"):
+        PeerConfig(methods=["cake"]).validate()
+
+
+@pytest.mark.integration
+def test_worker_measures_a_real_run() -> None:
+    """One measurement in a fresh process: byte counts follow from the model's config."""
+    from kvbudget.models import load_model
+
+    row = run_worker(MeasureSpec(method="snapkv", length=256, budget=64, new_tokens=3), threads=1)
+    assert "error" not in row, row.get("error")
+    model, _ = load_model("smollm2-135m")
+    c = model.config
+    per_token = c.num_hidden_layers * c.num_key_value_heads * 2 * (c.hidden_size // c.num_attention_heads) * 4
+    assert row["logical_bytes"] == row["physical_bytes"] == 64 * per_token
+    # two generated tokens are appended while decoding (snapkv evicts only in the prefill)
+    assert row["decode_kv_bytes"] == row["logical_bytes"] + 2 * per_token
+    assert row["weight_bytes"] == weight_bytes(model)
+    assert row["peak_rss_bytes"] > row["weight_bytes"]
+    assert row["decode_steps"] == 2 and row["tpot_s"] > 0 and row["ttft_s"] > row["compress_s"] > 0
+    assert 240 <= row["prompt_tokens"] <= 256
+    json.dumps(row)
+
+
+@pytest.mark.integration
+def test_fit_prompt_hits_the_requested_total_length() -> None:
+    from kvbudget.bench.measure import fit_prompt
+    from kvbudget.models import load_model
+
+    _, tokenizer = load_model("smollm2-135m")
+    for length in (300, 1000):
+        prompt = fit_prompt(tokenizer, "needle", length)
+        assert length - 15 <= len(prompt.ids) <= length

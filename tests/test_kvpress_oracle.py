@@ -1,0 +1,81 @@
+"""Oracle: kvbudget's snapkv, configured like kvpress's SnapKVPress, keeps the same entries.
+
+kvpress runs in its own environment (``make peer`` builds ``.venv-peer``: it needs transformers
+< 5.3); the test saves a tiny random Llama, runs kvpress's press on it through the standalone
+runner, and compares the kept positions per layer and KV head with ours. Skipped only when the
+peer environment is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from kvbudget.bench.peer import PEERS, peer_python_path, runner_script
+from kvbudget.engine import compress
+
+PEER = peer_python_path(Path(__file__).resolve().parents[1] / ".venv-peer" / "bin" / "python")
+pytestmark = pytest.mark.skipif(PEER is None, reason="no kvpress environment (.venv-peer): run `make peer`")
+
+
+BUDGETS = (80, 100, 160)
+
+
+def _ids(seed: int) -> list[int]:
+    return torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """kvpress's SnapKVPress kept positions for two prompts × three budgets (one runner call)."""
+    tmp = tmp_path_factory.mktemp("kvpress")
+    model = tiny_model("llama", seed=3)
+    model.save_pretrained(tmp / "model")
+    samples = [
+        {"id": f"s{seed}", "context_ids": _ids(seed), "question_ids": [], "eos_ids": [], "max_new_tokens": 1}
+        for seed in (1, 2)
+    ]
+    (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    _, press = PEERS["snapkv"]
+    (tmp / "jobs.json").write_text(json.dumps([{**press, "method": "snapkv", "budget": b} for b in BUDGETS]))
+    subprocess.run(
+        [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
+         "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
+         "--out", str(tmp / "out.jsonl"), "--indices"],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
+    return {"model": model, "ids": {s["id"]: s["context_ids"] for s in samples},
+            "kept": {(r["sample"], r["budget"]): r["indices"] for r in rows}}  # fmt: skip
+
+
+def our_indices(model, ids: list[int], method: str, budget: int) -> list[list[list[int]]]:
+    from kvbudget.eval.runner import MethodSpec
+
+    cache = compress(model, torch.tensor([ids]), method=MethodSpec.parse(method).build(), budget=budget)
+    return [[layer.head(h)[2][0].tolist() for h in range(layer.num_heads)] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("sample", ["s1", "s2"])
+@pytest.mark.parametrize("budget", [80, 160])
+def test_snapkv_keeps_kvpress_indices(oracle: dict, sample: str, budget: int) -> None:
+    model = oracle["model"]
+    theirs = oracle["kept"][(sample, budget)]
+    ours = our_indices(model, oracle["ids"][sample], PEERS["snapkv"][0], budget)
+    assert len(ours) == len(theirs) == model.config.num_hidden_layers
+    for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
+        assert len(mine) == len(peer) == model.config.num_key_value_heads
+        for head, (a, b) in enumerate(zip(mine, peer, strict=True)):
+            assert len(a) == budget
+            assert a == b, f"layer {layer} head {head}: {sorted(set(a) ^ set(b))} differ"
+
+
+def test_default_snapkv_differs_from_kvpress(oracle: dict) -> None:
+    """The comparison has teeth: our paper defaults (window 32, maxpool 7, sum) keep other entries."""
+    ours = our_indices(oracle["model"], oracle["ids"]["s1"], "snapkv", 100)
+    assert ours != oracle["kept"][("s1", 100)]

@@ -93,7 +93,7 @@ def _reference_attention(kept: dict[int, list[torch.Tensor]]):
 def test_decode_step_equals_masked_full_sequence(name, kind):
     """Exact attention over the kept entries. Merging methods (MERGING_METHODS) change the kept
     keys/values, so no masked reference exists for them; tests/test_d2o.py checks their merged
-    tensors against the paper's formulas and the decode step against attention over those tensors."""
+    tensors (prefill and decode) against float64 re-computations of the papers' formulas."""
     model = tiny_model(kind)
     ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(2))
     cache = kvbudget.compress(model, ids[:, :-1], method=small(name), budget=20)

@@ -159,7 +159,7 @@ def test_merge_matches_the_reference_on_random_tensors(seed, threshold):
 # ------------------------------------------------------------------------------ 3. layer budgets (Eq. 5)
 @settings(max_examples=200, deadline=None)
 @given(
-    sigma=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40),
+    sigma=st.lists(st.floats(0.0, 1.0) | st.floats(0.0, 500.0), min_size=1, max_size=40),
     budget=st.integers(2, 500),
     length=st.integers(2, 4000),
 )
@@ -171,7 +171,7 @@ def test_layer_budgets_follow_eq5_and_sum_to_the_total(sigma, budget, length):
     out = inverse_variance_layer_budgets(sigma, total, lower, length)
     assert int(out.sum()) == total
     assert int(out.min()) >= lower and int(out.max()) <= length
-    weights = [math.exp(-s) for s in sigma]
+    weights = [math.exp(-(s - min(sigma))) for s in sigma]
     shares = [w / sum(weights) * total for w in weights]  # Eq. 5: softmax(−σ)·L·ρ·S
     if all(lower <= s <= length for s in shares):
         assert all(abs(int(b) - s) < 1 for b, s in zip(out, shares, strict=True))
@@ -179,6 +179,16 @@ def test_layer_budgets_follow_eq5_and_sum_to_the_total(sigma, budget, length):
         for j in range(layers):
             if sigma[i] < sigma[j]:
                 assert int(out[i]) >= int(out[j]) - 1
+
+
+def test_layer_budgets_with_raw_variances_far_apart_still_sum_to_the_total():
+    # weights exp(−400) underflow: those layers sit at the floor, the total stays exact
+    out = inverse_variance_layer_budgets([1.0, 3.0, 125.0, 400.0, 2.3], total=5 * 205, lower=11, upper=1024)
+    assert int(out.sum()) == 5 * 205
+    assert out.tolist()[2:4] == [11, 11]
+    w = [math.exp(-0.0), math.exp(-2.0), math.exp(-1.3)]
+    shares = [x / sum(w) * (5 * 205 - 22) for x in w]
+    assert all(abs(b - s) < 1 for b, s in zip([out[0], out[1], out[4]], shares, strict=True))
 
 
 def test_layer_budgets_clamp_and_share_the_excess_in_proportion():

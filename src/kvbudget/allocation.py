@@ -270,17 +270,19 @@ def inverse_variance_layer_budgets(
         return torch.full((k,), upper, dtype=torch.long)
     if total <= k * lower:
         return torch.full((k,), lower, dtype=torch.long)
-    weights = torch.exp(-(s - s.min()))  # softmax is shift-invariant; the largest weight is 1
-    shares = weights / weights.sum() * total
+    log_w = -(s - s.min())  # softmax is shift-invariant: log-weights ≤ 0, the largest is 0
+    shares = torch.softmax(log_w, 0) * total
     if bool((shares < lower).any()) or bool((shares > upper).any()):
-        lo, hi = 0.0, float(upper) / float(weights.min())
+        # Σ clamp(exp(log λ + log w), lower, upper) grows with log λ: bisect it in log space, so
+        # weights far below the float range (raw variances in the hundreds) simply sit at ``lower``
+        lo, hi = math.log(max(lower, 1e-300)), math.log(upper) - float(log_w.min())
         for _ in range(200):
             mid = (lo + hi) / 2
-            if float((mid * weights).clamp(lower, upper).sum()) < total:
+            if float(torch.exp(mid + log_w).clamp(lower, upper).sum()) < total:
                 lo = mid
             else:
                 hi = mid
-        shares = (hi * weights).clamp(lower, upper)
+        shares = torch.exp(hi + log_w).clamp(lower, upper)
         shares = (shares * (total / float(shares.sum()))).clamp(lower, upper)  # the bisection's last 1e-12
     result = largest_remainder_round(shares, total)
     return result.clamp(lower, upper)

@@ -27,6 +27,17 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
 ALL_METHODS = method_names()
 DECODE_METHODS = [name for name in ALL_METHODS if "decode" in make_method(name).stages]
 COMPRESSING_METHODS = [name for name in ALL_METHODS if name != "full"]
+#: methods whose layers keep different budgets that sum to the model's total (cascading LAVa/CAKE,
+#: D2O's variance allocation)
+DYNAMIC_LAYER_METHODS = [
+    name
+    for name in ALL_METHODS
+    if make_method(name).cascading or getattr(make_method(name), "dynamic_layers", False)
+]
+#: methods that change kept keys/values by merging evicted entries into them: a decode step cannot
+#: equal the masked full-sequence reference; their merge arithmetic has its own reference tests
+#: (tests/test_d2o.py)
+MERGING_METHODS = ["d2o", "d2o-uniform", "cam"]
 
 
 def small(name: str) -> Method:

@@ -34,7 +34,7 @@ def test_budget_covering_the_text_equals_the_full_cache(name):
     assert result.nll == pytest.approx(_reference_nll(model, IDS, 40), abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["streamingllm", "h2o", "tova"])
+@pytest.mark.parametrize("name", ["streamingllm", "h2o", "tova", "d2o", "cam"])
 def test_decode_methods_hold_the_cache_at_the_budget(name):
     model = tiny_model()
     result = chunked_perplexity(model, IDS, make_method(name), budget=48, chunk=16)

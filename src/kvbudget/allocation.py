@@ -216,3 +216,73 @@ def even_head_budgets(total: int, bounds: torch.Tensor) -> torch.Tensor:
     first heads), within ``bounds: [kv_heads]``; sums to ``min(total, Σ bounds)``."""
     bounds = bounds.long().cpu()
     return proportional_budgets(torch.ones(bounds.numel()), total, bounds)
+
+
+# ---------------------------------------------------------------------------- D2O (variance) layer budgets
+def attention_variance(column_sums: torch.Tensor, normalise: str = "minmax") -> float:
+    """D2O's layer statistic ``σ_l`` (Eq. 4, A.9) from one batch row's prompt-attention column sums.
+
+    Args:
+        column_sums: ``[q_heads, n]`` attention each valid prompt key received, summed over all
+            prompt queries (``c_h``).
+        normalise: ``"minmax"`` — ``F_h = var(c_h)`` (unbiased), min-max normalised across the
+            layer's heads, averaged (the authors' code, METHODS.md); ``"raw"`` — the mean of
+            ``F_h`` over the heads (Eq. 4 as printed, per head as in A.9).
+    Returns:
+        ``σ_l`` (float).
+    """
+    c = column_sums.double()
+    f = c.var(dim=-1, unbiased=True) if c.shape[-1] > 1 else torch.zeros(c.shape[0], dtype=torch.float64)
+    if normalise == "raw":
+        return float(f.mean())
+    if normalise != "minmax":
+        raise ValueError(f"unknown variance normalisation '{normalise}': expected minmax or raw")
+    spread = float(f.max() - f.min())
+    if spread <= 0.0:
+        return 0.0
+    return float(((f - f.min()) / spread).mean())
+
+
+def inverse_variance_layer_budgets(
+    sigma: Sequence[float] | torch.Tensor, total: int, lower: int, upper: int
+) -> torch.Tensor:
+    """D2O's layer budgets (Eq. 5, A.2): ``S_l = softmax_l(−σ_l) · total``, within ``[lower, upper]``.
+
+    ``total = layers · ρ · S`` (entries per head over all layers). Shares are integerised by
+    largest remainder so they sum to exactly ``total``. When a share falls outside the bounds (the
+    paper clamps to ``[0.01, 1]`` of the prompt), ``S_l = clamp(λ·exp(−σ_l), lower, upper)`` with the
+    one ``λ`` that keeps the sum at ``total`` (found by bisection): bounded layers get their bound,
+    the others stay proportional to ``exp(−σ_l)``.
+
+    Args:
+        sigma: ``[layers]`` variance statistics (:func:`attention_variance`).
+        total: entries per head to distribute; lower, upper: integer bounds per layer.
+    Returns:
+        ``[layers]`` int64 summing to ``total`` (clipped to ``[layers·lower, layers·upper]``).
+    """
+    s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
+    if s.numel() == 0 or not bool(torch.isfinite(s).all()):
+        raise ValueError("sigma must be a non-empty sequence of finite numbers")
+    if lower > upper:
+        raise ValueError(f"lower bound {lower} exceeds upper bound {upper}")
+    k = s.numel()
+    if total >= k * upper:
+        return torch.full((k,), upper, dtype=torch.long)
+    if total <= k * lower:
+        return torch.full((k,), lower, dtype=torch.long)
+    log_w = -(s - s.min())  # softmax is shift-invariant: log-weights ≤ 0, the largest is 0
+    shares = torch.softmax(log_w, 0) * total
+    if bool((shares < lower).any()) or bool((shares > upper).any()):
+        # Σ clamp(exp(log λ + log w), lower, upper) grows with log λ: bisect it in log space, so
+        # weights far below the float range (raw variances in the hundreds) simply sit at ``lower``
+        lo, hi = math.log(max(lower, 1e-300)), math.log(upper) - float(log_w.min())
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if float(torch.exp(mid + log_w).clamp(lower, upper).sum()) < total:
+                lo = mid
+            else:
+                hi = mid
+        shares = torch.exp(hi + log_w).clamp(lower, upper)
+        shares = (shares * (total / float(shares.sum()))).clamp(lower, upper)  # the bisection's last 1e-12
+    result = largest_remainder_round(shares, total)
+    return result.clamp(lower, upper)

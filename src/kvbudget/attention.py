@@ -198,8 +198,8 @@ def kvbudget_attention(
     if cache.session is not None:
         cache.session.after_attention(layer_idx, query, layer, scale, cache.layers)
         cache.note_memory(layer_idx)
-        if cache.session.method.cascading and cache.session.phase == "prefill":
-            for earlier in range(layer_idx):  # rebalance re-evicted them: account their new size
+        if cache.session.method.edits_earlier_layers and cache.session.phase == "prefill":
+            for earlier in range(layer_idx):  # re-evicted (cascading) or compressed after the last layer
                 cache.note_memory(earlier)
     return out.transpose(1, 2).contiguous(), None
 

@@ -126,6 +126,10 @@ def generate(
         ("compression", f"{result.compress_s:.3f} s"),
         ("TPOT", f"{result.tpot_s * 1000:.1f} ms"),
     ]  # fmt: skip
+    if result.cache_trace:
+        trace = result.cache_trace
+        label = f"entries while decoding ({len(trace)} steps) first / max / last"
+        rows.append((label, f"{trace[0]} / {max(trace)} / {trace[-1]}"))
     for row in rows:
         table.add_row(*row)
     console.print(table)

@@ -41,6 +41,9 @@ class GenerationResult:
         method: the method's name; options: its hyperparameters.
         selection_layer: the layer where a prune-stage method cut the prompt (None otherwise).
         cache: the cache after generation, when ``generate(..., return_cache=True)``.
+        cache_trace: total logical entries (all layers and KV heads) of this row after each decode
+            step — one per generated token fed back, so ``len(token_ids) − 1`` of them. Flat for a
+            decode-stage method holding its budget, growing by ``layers × kv_heads`` per step otherwise.
     """
 
     text: str
@@ -57,6 +60,7 @@ class GenerationResult:
     options: dict[str, Any] = field(default_factory=dict)
     selection_layer: int | None = None
     cache: BudgetCache | None = None
+    cache_trace: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -275,11 +279,15 @@ def prefill(
 
 @dataclass
 class Decoded:
-    """Output of :func:`decode_loop`: per row the generated ids, plus step count and time."""
+    """Output of :func:`decode_loop`: per row the generated ids, plus step count and time.
+
+    ``trace[r]``: row ``r``'s total logical entries after each decode step that fed it a token.
+    """
 
     generated: list[list[int]]
     steps: int
     seconds: float
+    trace: list[list[int]] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -306,6 +314,7 @@ def decode_loop(
     token = _next_token(logits, temperature, top_p, generator)
     generated = [[int(t)] for t in token]
     finished = torch.tensor([int(t) in eos for t in token])
+    trace: list[list[int]] = [[] for _ in generated]
     steps, start = 0, time.perf_counter()
     for _ in range(max_new_tokens - 1):
         if bool(finished.all()):
@@ -315,11 +324,18 @@ def decode_loop(
         logits = forward_last_logits(model, token[:, None], mask, last_pos[:, None], cache)
         token = _next_token(logits, temperature, top_p, generator)
         steps += 1
+        entries = _row_entries(cache)
         for r, t in enumerate(token.tolist()):
             if not finished[r]:
+                trace[r].append(entries[r])
                 generated[r].append(t)
                 finished[r] = t in eos
-    return Decoded(generated, steps, time.perf_counter() - start)
+    return Decoded(generated, steps, time.perf_counter() - start, trace)
+
+
+def _row_entries(cache: BudgetCache) -> list[int]:
+    """Total logical entries of each batch row over all layers and KV heads."""
+    return torch.stack([layer.head_lengths().sum(-1) for layer in cache.layers]).sum(0).tolist()
 
 
 @torch.inference_mode()
@@ -430,6 +446,7 @@ def generate(
                 method=method_obj.name,
                 options=method_obj.options(),
                 cache=cache if return_cache else None,
+                cache_trace=decoded.trace[r],
             )
         )
     return results if batch else results[0]

@@ -2,7 +2,8 @@
 
 The engine creates one per run and puts it on the :class:`~kvbudget.cache.BudgetCache`. Its
 ``phase`` says what the next forward is: ``"prefill"`` (compress each layer right after its
-attention, so peak memory stays near one full layer plus the compressed rest), ``"decode"``
+attention, so peak memory stays near one full layer plus the compressed rest; post-prefill methods
+only record each layer and compress all of them after the last one), ``"decode"``
 (decode-stage methods trim each layer back to budget after every step), ``"record"`` (keep each
 layer's queries and compress nothing: the shared prefill of :mod:`kvbudget.snapshot`) or ``"off"``.
 """
@@ -96,10 +97,17 @@ class CompressionSession:
             else:
                 if self.targets is None:
                     self.resolve(layer.head_lengths()[:, 0])
+                if "post_prefill" in stages:
+                    obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+                    self.method.record(obs, self.targets)
                 kept = layer.head_lengths().cpu()
             if self.budgets is None:
                 self.budgets = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
             self.budgets[:, layer_idx] = kept
+            if "post_prefill" in stages and layers is not None and layer_idx == self.num_layers - 1:
+                self.method.post_prefill(layers, self.targets)
+                for i, compressed in enumerate(layers):
+                    self.budgets[:, i] = compressed.head_lengths().cpu()
             self.compress_seconds += time.perf_counter() - start
         elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
             start = time.perf_counter()

@@ -92,8 +92,8 @@ def derive(
     session.phase = "prefill"
     for layer_idx, layer in enumerate(cache.layers):
         session.after_attention(layer_idx, snapshot.queries[layer_idx], layer, snapshot.scaling, cache.layers)
-        for noted in range(layer_idx + 1) if method.cascading else (layer_idx,):
-            cache.note_memory(noted)  # a cascading method also re-evicted the earlier layers
+        for noted in range(layer_idx + 1) if method.edits_earlier_layers else (layer_idx,):
+            cache.note_memory(noted)  # a cascading or post-prefill method also edited earlier layers
     logits = append_uncompressed(model, snapshot.inputs, cache)
     session.phase = "decode"
     return cache, snapshot.logits if logits is None else logits

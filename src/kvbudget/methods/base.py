@@ -148,6 +148,27 @@ class Method:
         """
         raise NotImplementedError(f"{self.name} is not a cascading method")
 
+    @property
+    def edits_earlier_layers(self) -> bool:
+        """Whether the method may change layers other than the one just prefilled (cascading
+        re-eviction, or a post-prefill stage acting on every layer after the last one)."""
+        return self.cascading or "post_prefill" in self.stages
+
+    def record(self, obs: Observation, targets: list[int | None]) -> None:
+        """Post-prefill methods: note what a layer's prefill attention tells (nothing is evicted yet).
+
+        Called for every layer during the prefill instead of :meth:`compress`; ``targets`` as there.
+        """
+        raise NotImplementedError(f"{self.name} has no post-prefill stage")
+
+    def post_prefill(self, layers: list, targets: list[int | None]) -> None:
+        """Post-prefill methods: compress every layer once all of them were prefilled.
+
+        ``layers``: every layer of the cache (rectangular prefill layout); ``targets`` as in
+        :meth:`compress`. The prefill holds the full cache until then (as the methods' papers do).
+        """
+        raise NotImplementedError(f"{self.name} has no post-prefill stage")
+
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods)."""
         raise NotImplementedError(f"{self.name} does not act while decoding")

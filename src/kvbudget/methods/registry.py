@@ -10,6 +10,8 @@ from kvbudget.methods.ada_pyramidkv import AdaPyramidKV
 from kvbudget.methods.ada_snapkv import AdaSnapKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.cake import CAKE
+from kvbudget.methods.cam import CaM
+from kvbudget.methods.d2o import D2O, D2ONoMerge, D2OUniform
 from kvbudget.methods.full import FullCache
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.knorm import KNorm
@@ -40,6 +42,10 @@ REGISTRY: dict[str, type[Method]] = {
         LAVaNoHead,
         LAVaPyramid,
         CAKE,
+        D2O,
+        D2OUniform,
+        D2ONoMerge,
+        CaM,
     )
 }
 

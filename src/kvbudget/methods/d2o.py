@@ -1,0 +1,242 @@
+"""D2O: dynamic discriminative operations — variance-based layer budgets, eviction with merging."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbudget.allocation import attention_variance, inverse_variance_layer_budgets
+from kvbudget.cache import BudgetLayer
+from kvbudget.errors import KVBudgetError, UnknownMethodError
+from kvbudget.merging import d2o_merge
+from kvbudget.methods.base import Method
+from kvbudget.observation import Observation, reduce_group
+from kvbudget.selection import protected_mask, select_keep
+
+
+@dataclass
+class D2O(Method):
+    """D2O: layer budgets from attention variance; heavy hitters + sinks + recent, evicted entries merged.
+
+    **Layer budgets** (§4.1, Eq. 4–5, A.2). Each prompt layer's attention column sums ``c_h`` (one
+    per query head, computed ``chunk`` queries at a time, never the full ``n × n`` matrix) give
+    ``F_h = var(c_h)``; ``σ_l`` is their min-max normalised mean over the layer's heads
+    (``variance="minmax"``, the authors' code as METHODS.md records it; ``"raw"`` uses the mean
+    of ``F_h`` as printed in Eq. 4). ``S_l = softmax_l(−σ_l) · layers · B`` entries per KV head
+    (``B`` = the user budget, ``ρ·L`` in ratio form, so ``Σ S_l = layers · B``), clamped to
+    ``[max(0.01·L, sinks + 2), L]`` with the excess shared in proportion, integerised to the exact
+    total. Computed once all layers are prefilled (the full prompt cache exists until then, as in
+    the paper); every KV head of a layer keeps ``S_l``.
+
+    **Eviction** (§4.2.1, Eq. 6–8). Score = attention received: prompt column sums, then every
+    decode query's attention added (GQA groups averaged). A layer keeps ``T = sinks`` first tokens,
+    the ``M`` most recent and the top ``N`` of the rest, ``N = ⌊heavy_fraction·(S_l − T)⌋`` and
+    ``M = S_l − T − N`` (``N : M = 3 : 1``).
+
+    **Merging** (§4.2.2, Eq. 9–12, :func:`kvbudget.merging.d2o_merge`): every evicted entry is
+    matched to its most cosine-similar kept key; with the EMA threshold (``τ_0`` = mean best
+    similarity of the prefill's evicted entries, then ``τ_t = β·max U_t + (1 − β)·τ_{t−1}``)
+    it is dropped or folded into that key and its value with the similarity weights of Eq. 12.
+    ``τ`` is kept per batch row, layer and KV head.
+
+    **Decoding**: after every step each layer is evicted (and merged) back to ``S_l``, so the cache
+    holds ``Σ_l S_l`` entries per head at every step. A row whose prompt fits the budget was not
+    compressed; it is held at the uniform budget ``B`` while decoding (no variance allocation), so
+    a budget covering prompt and answer changes nothing.
+
+    Differences from the authors' code (AIoT-MLSys-Lab/d2o, as recorded in METHODS.md): β = 0.7
+    (the paper's §A.3 choice; the code uses 0.5 for both EMA constants); the ``T`` sinks are kept on
+    top of ``N`` heavy hitters (Eq. 7; the code counts them inside the heavy budget); every layer is
+    compressed (the code never compresses layers 0, 1 and the last); a merged entry keeps its own
+    accumulated score (the paper does not say how merging changes scores); several evictions in one
+    forward (chunked decoding) update the EMA once per evicted entry, in position order.
+
+    Reference: Wan et al., "D2O: Dynamic Discriminative Operations for Efficient Long-Context
+    Inference of Large Language Models", ICLR 2025 (arXiv:2406.13035).
+
+    Args:
+        sinks: first tokens always kept (``T``, 4).
+        heavy_fraction: ``N / (N + M)`` (0.75, i.e. ``N : M = 3 : 1``).
+        beta: EMA smoothing β (0.7). merge: fold evicted entries into kept ones (True).
+        threshold: apply the EMA threshold (True; False merges every evicted entry).
+        dynamic_layers: variance-based layer budgets (True; False = uniform ``B`` per layer).
+        variance: ``minmax`` (default) or ``raw`` (see above). min_fraction: lower clamp (0.01 of L).
+        chunk: query chunk of the prompt column sums.
+    """
+
+    name: ClassVar[str] = "d2o"
+    paper: ClassVar[str] = "arXiv:2406.13035"
+    stages: ClassVar[tuple[str, ...]] = ("post_prefill", "decode")
+    state_name: ClassVar[str] = "d2o_attention"
+
+    window: int = 0
+    sinks: int = 4
+    heavy_fraction: float = 0.75
+    beta: float = 0.7
+    merge: bool = True
+    threshold: bool = True
+    dynamic_layers: bool = True
+    variance: str = "minmax"
+    min_fraction: float = 0.01
+    chunk: int = 512
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.heavy_fraction < 1.0:
+            raise UnknownMethodError(
+                f"{self.name}: heavy_fraction must be in [0, 1), got {self.heavy_fraction}"
+            )
+        if not 0.0 <= self.beta <= 1.0:
+            raise UnknownMethodError(f"{self.name}: beta must be in [0, 1], got {self.beta}")
+        if self.variance not in ("minmax", "raw"):
+            raise UnknownMethodError(f"{self.name}: variance must be minmax or raw, got {self.variance!r}")
+        if not 0.0 <= self.min_fraction <= 1.0:
+            raise UnknownMethodError(f"{self.name}: min_fraction must be in [0, 1], got {self.min_fraction}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise UnknownMethodError(f"{self.name}: chunk must be a positive integer, got {self.chunk!r}")
+
+    def min_budget(self) -> int:
+        return self.sinks + 2  # at least one heavy hitter and one recent entry
+
+    def recent_for(self, layer_budget: int) -> int:
+        """``M`` of a layer holding ``layer_budget`` entries per head."""
+        rest = max(layer_budget - self.sinks, 0)
+        return rest - int(self.heavy_fraction * rest)
+
+    # ------------------------------------------------------------------ per-run state
+    @property
+    def _run(self) -> dict:
+        return self.__dict__.setdefault("_d2o_run", {"sigma": {}, "budgets": [], "tau": {}})
+
+    def layer_budgets(self, row: int) -> list[int] | None:
+        """Entries per head of every layer of batch ``row`` after the prefill, or ``None`` when the
+        row was not compressed (it is then held at its uniform budget)."""
+        budgets = self._run["budgets"]
+        return budgets[row] if row < len(budgets) else None
+
+    def accumulate(self, obs: Observation) -> None:
+        """Add the attention this forward's queries paid each entry (GQA mean) to its score."""
+        obs.layer.init_state(self.state_name)
+        received = reduce_group(obs.column_sums(self.chunk), obs.num_kv_heads, "mean")
+        obs.layer.state[self.state_name] = obs.layer.state[self.state_name] + received
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return obs.layer.state[self.state_name]
+
+    # ------------------------------------------------------------------ prefill
+    def record(self, obs: Observation, targets: list[int | None]) -> None:
+        if obs.layer_idx == 0:
+            self.__dict__["_d2o_run"] = {"sigma": {}, "budgets": [], "tau": {}}
+        self.accumulate(obs)
+        sums = obs.column_sums(self.chunk)  # [b, hq, n]
+        valid = obs.valid[:, 0]
+        self._run["sigma"][obs.layer_idx] = [
+            attention_variance(sums[r][:, valid[r]], self.variance) for r in range(sums.shape[0])
+        ]
+
+    def post_prefill(self, layers: list[BudgetLayer], targets: list[int | None]) -> None:
+        run = self._run
+        num_layers = len(layers)
+        lengths = layers[0].head_lengths()[:, 0].tolist()
+        run["budgets"] = []
+        for r, target in enumerate(targets):
+            if target is None:
+                run["budgets"].append(None)
+                continue
+            length = int(lengths[r])
+            if self.dynamic_layers:
+                lower = min(max(math.ceil(self.min_fraction * length), self.min_budget()), target)
+                sigma = [run["sigma"][i][r] for i in range(num_layers)]
+                budgets = inverse_variance_layer_budgets(sigma, target * num_layers, lower, length)
+                run["budgets"].append([int(b) for b in budgets])
+            else:
+                run["budgets"].append([min(target, length)] * num_layers)
+        for i, layer in enumerate(layers):
+            limits = [None if b is None else b[i] for b in run["budgets"]]
+            self.evict(layer, i, limits)
+
+    # ------------------------------------------------------------------ decode
+    def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
+        self.accumulate(obs)
+        limits = []
+        for r, budget in enumerate(row_budgets):
+            planned = self.layer_budgets(r)
+            limits.append(budget if planned is None else planned[obs.layer_idx])
+        self.evict(obs.layer, obs.layer_idx, limits)
+
+    # ------------------------------------------------------------------ eviction + merging
+    def evict(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> None:
+        """Evict every row holding more than ``limits[r]`` entries per head (``None`` = leave it),
+        merging the evicted entries into the kept ones."""
+        if layer.is_ragged:
+            raise KVBudgetError(
+                f"{self.name} keeps every KV head of a layer at one size; got a per-head layout"
+            )
+        lengths = layer.head_lengths().cpu()  # [b, h]
+        over = [lim is not None and int(lengths[r].max()) > lim for r, lim in enumerate(limits)]
+        if not any(over):
+            return
+        positions = layer.positions
+        valid = positions >= 0
+        protected = torch.zeros_like(valid)
+        budgets = lengths.clone()
+        for r, limit in enumerate(limits):
+            if over[r]:
+                protected[r] = protected_mask(positions[r : r + 1], self.recent_for(limit), self.sinks)[0]
+                budgets[r] = limit
+        keep = select_keep(layer.state[self.state_name], budgets, valid, protected)
+        merged = {}
+        if self.merge:
+            taus = self._run["tau"].setdefault(layer_idx, {})
+            for r in range(len(limits)):
+                if over[r]:
+                    merged[r] = self._merge_row(layer, r, keep[r], valid[r], taus)
+        layer.keep(keep)
+        if merged:
+            keys, values = layer.keys.clone(), layer.values.clone()
+            for r, (k, v) in merged.items():
+                keys[r, :, : k.shape[1]] = k
+                values[r, :, : v.shape[1]] = v
+            layer.keys, layer.values = keys, values
+
+    def _merge_row(
+        self, layer: BudgetLayer, row: int, keep: list[torch.Tensor], valid: torch.Tensor, taus: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merged kept keys and values ``[h, S, d]`` of batch ``row``; updates ``taus[row]``."""
+        kept_idx = torch.stack(keep).to(valid.device)  # [h, S]
+        dropped = valid.clone()
+        dropped.scatter_(1, kept_idx, False)
+        counts = dropped.sum(-1)
+        if bool((counts != counts[0]).any()):
+            raise KVBudgetError(f"{self.name}: heads of one row evicted different numbers of entries")
+        evicted_idx = dropped.nonzero()[:, 1].view(dropped.shape[0], -1)  # [h, E], slot order
+        keys, values = layer.keys[row], layer.values[row]  # [h, n, d]
+        gather = lambda t, idx: t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
+        out = d2o_merge(
+            gather(keys, kept_idx), gather(values, kept_idx), gather(keys, evicted_idx),
+            gather(values, evicted_idx), taus.get(row), self.beta, self.threshold,
+        )  # fmt: skip
+        taus[row] = out.tau
+        return out.keys, out.values
+
+
+@dataclass
+class D2OUniform(D2O):
+    """D2O without the layer-level operation: every layer keeps the uniform budget (the paper's
+    "w.o. Layer Operation" ablation, Table 6); eviction and EMA-threshold merging as in D2O."""
+
+    name: ClassVar[str] = "d2o-uniform"
+    dynamic_layers: bool = False
+
+
+@dataclass
+class D2ONoMerge(D2O):
+    """D2O without merging: variance-based layer budgets and sinks + heavy + recent eviction, evicted
+    entries dropped (isolates what the merging adds; ``threshold=False`` on ``d2o`` gives the paper's
+    "w.o. EMA-Threshold" row instead)."""
+
+    name: ClassVar[str] = "d2o-nomerge"
+    merge: bool = False

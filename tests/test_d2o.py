@@ -1,0 +1,405 @@
+"""D2O and CaM: merge arithmetic, layer budgets (Eq. 5), eviction + merging against float64 references,
+fixed-size decoding and the decode loop's cache trace.
+
+References are computed here with numpy/explicit loops from the paper's formulas; they never call
+kvbudget's scoring, allocation, selection or merging helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvbudget
+from kvbudget.allocation import attention_variance, inverse_variance_layer_budgets
+from kvbudget.cache import BudgetCache, BudgetLayer
+from kvbudget.errors import UnknownMethodError
+from kvbudget.merging import d2o_merge
+from kvbudget.methods.registry import make_method
+from kvbudget.observation import Observation
+
+H, G, N, D = 2, 2, 24, 8
+HQ = H * G
+SCALE = 1.0 / math.sqrt(D)
+E = math.e
+
+
+# ------------------------------------------------------------------------------ float64 references
+def probs_row(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    logits = keys @ q * SCALE
+    p = np.exp(logits - logits.max())
+    return p / p.sum()
+
+
+def prompt_column_sums(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``[HQ, N]``: attention each key received from every causal prompt query."""
+    sums = np.zeros((HQ, N))
+    for qh in range(HQ):
+        for i in range(N):
+            sums[qh, : i + 1] += probs_row(q[qh, i], k[qh // G, : i + 1])
+    return sums
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def merge_reference(kc, vc, ke, ve, tau, beta):
+    """Eq. 9–12 for one head with explicit loops. Returns new kc, vc, tau."""
+    kc, vc = kc.copy(), vc.copy()
+    best, nearest = [], []
+    for i in range(len(ke)):
+        sims = [cosine(ke[i], kc[j]) for j in range(len(kc))]
+        nearest.append(int(np.argmax(sims)))
+        best.append(max(sims))
+    if tau is None:
+        tau = sum(best) / len(best)
+        merged = [b >= tau for b in best]
+    else:
+        merged = []
+        for b in best:
+            tau = beta * b + (1 - beta) * tau
+            merged.append(b >= tau)
+    out_k, out_v = kc.copy(), vc.copy()
+    for j in range(len(kc)):
+        members = [i for i in range(len(ke)) if merged[i] and nearest[i] == j]
+        if not members:
+            continue
+        denominator = E + sum(math.exp(best[i]) for i in members)
+        out_k[j] = (E * kc[j] + sum(math.exp(best[i]) * ke[i] for i in members)) / denominator
+        out_v[j] = (E * vc[j] + sum(math.exp(best[i]) * ve[i] for i in members)) / denominator
+    return out_k, out_v, tau
+
+
+def fixture(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, H, N, D, generator=g)
+    v = torch.randn(1, H, N, D, generator=g)
+    q = 2.0 * torch.randn(1, HQ, N, D, generator=g)
+    return k, v, q
+
+
+def layer_of(k: torch.Tensor, v: torch.Tensor) -> BudgetLayer:
+    layer = BudgetLayer()
+    layer.update(k.clone(), v.clone())
+    return layer
+
+
+# ------------------------------------------------------------------------------ 1. merge arithmetic
+def test_merge_arithmetic_on_a_hand_built_cache():
+    """Two kept keys (1,0), (0,1); three evicted. Best similarities 3/√10, 4/√17, 1/√2 → τ_0 = their
+    mean ≈ 0.875: the first two merge (into the first and second kept key), the third is dropped."""
+    kept_k = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    kept_v = torch.tensor([[[1.0, 1.0], [-1.0, 2.0]]])
+    ev_k = torch.tensor([[[3.0, 1.0], [1.0, 4.0], [1.0, -1.0]]])
+    ev_v = torch.tensor([[[5.0, 0.0], [0.0, -3.0], [9.0, 9.0]]])
+    out = d2o_merge(kept_k, kept_v, ev_k, ev_v, tau=None)
+    u1, u2, u3 = 3 / math.sqrt(10), 4 / math.sqrt(17), 1 / math.sqrt(2)
+    assert out.tau.item() == pytest.approx((u1 + u2 + u3) / 3, abs=1e-6)
+    assert out.merged.tolist() == [[True, True, False]]
+    assert out.nearest.tolist() == [[0, 1, 0]]
+    w1, w2 = math.exp(u1), math.exp(u2)
+    want_k = [
+        [(E * 1 + w1 * 3) / (E + w1), (w1 * 1) / (E + w1)],
+        [(w2 * 1) / (E + w2), (E * 1 + w2 * 4) / (E + w2)],
+    ]
+    want_v = [
+        [(E * 1 + w1 * 5) / (E + w1), (E * 1) / (E + w1)],
+        [(-E) / (E + w2), (E * 2 - w2 * 3) / (E + w2)],
+    ]
+    np.testing.assert_allclose(out.keys[0].numpy(), want_k, rtol=1e-6)
+    np.testing.assert_allclose(out.values[0].numpy(), want_v, rtol=1e-6)
+    # decode (on the original kept keys): one evicted entry, τ_1 = β·u + (1 − β)·τ_0, merged iff u ≥ τ_1
+    tau0 = out.tau
+    low = d2o_merge(kept_k, kept_v, torch.tensor([[[1.0, -1.0]]]), torch.ones(1, 1, 2), tau0, beta=0.7)
+    assert low.tau.item() == pytest.approx(0.7 * u3 + 0.3 * tau0.item(), abs=1e-6)
+    assert low.merged.tolist() == [[False]]  # u3 < τ_0, so u3 < τ_1
+    assert torch.equal(low.keys, kept_k) and torch.equal(low.values, kept_v)  # dropped: bit-identical
+    high = d2o_merge(kept_k, kept_v, torch.tensor([[[0.0, 2.0]]]), torch.ones(1, 1, 2), tau0, beta=0.7)
+    assert high.tau.item() == pytest.approx(0.7 * 1.0 + 0.3 * tau0.item(), abs=1e-6)
+    assert high.merged.tolist() == [[True]] and high.nearest.tolist() == [[1]]
+    # u = 1, weight e, same as the kept key's: the plain average ((0, 1) + (0, 2)) / 2
+    np.testing.assert_allclose(high.keys[0, 1].numpy(), [0.0, 1.5], atol=1e-7)
+    np.testing.assert_allclose(high.values[0, 1].numpy(), [(-E + E) / (2 * E), (2 * E + E) / (2 * E)])
+    assert torch.equal(high.keys[0, 0], kept_k[0, 0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("threshold", [True, False])
+def test_merge_matches_the_reference_on_random_tensors(seed, threshold):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    ke, ve = torch.randn(2, 9, 4, generator=g), torch.randn(2, 9, 4, generator=g)
+    first = d2o_merge(kc, vc, ke, ve, None, threshold=threshold)
+    ke2, ve2 = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    second = d2o_merge(first.keys, first.values, ke2, ve2, first.tau, beta=0.7, threshold=threshold)
+    for h in range(2):
+        rk, rv, tau = merge_reference(kc[h].double().numpy(), vc[h].double().numpy(), ke[h].double().numpy(),
+                                      ve[h].double().numpy(), None, 0.7)  # fmt: skip
+        if not threshold:  # every evicted entry merged: the reference with τ below every similarity
+            nkc, nvc, nke, nve = (t[h].double().numpy() for t in (kc, vc, ke, ve))
+            rk, rv, _ = merge_reference(nkc, nvc, nke, nve, -2.0, 0.0)
+        np.testing.assert_allclose(first.keys[h].numpy(), rk, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(first.values[h].numpy(), rv, rtol=1e-5, atol=1e-6)
+        assert first.tau[h].item() == pytest.approx(tau, abs=1e-6)
+        rk2, rv2, tau2 = merge_reference(rk, rv, ke2[h].double().numpy(), ve2[h].double().numpy(), tau, 0.7)
+        if threshold:
+            np.testing.assert_allclose(second.keys[h].numpy(), rk2, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(second.values[h].numpy(), rv2, rtol=1e-5, atol=1e-6)
+            assert second.tau[h].item() == pytest.approx(tau2, abs=1e-5)
+    if threshold:
+        assert 0 < int(first.merged.sum()) < first.merged.numel()  # the threshold really splits them
+
+
+# ------------------------------------------------------------------------------ 3. layer budgets (Eq. 5)
+@settings(max_examples=200, deadline=None)
+@given(
+    sigma=st.lists(st.floats(0.0, 1.0) | st.floats(0.0, 500.0), min_size=1, max_size=40),
+    budget=st.integers(2, 500),
+    length=st.integers(2, 4000),
+)
+def test_layer_budgets_follow_eq5_and_sum_to_the_total(sigma, budget, length):
+    layers = len(sigma)
+    budget = min(budget, length)
+    total = budget * layers
+    lower = min(max(math.ceil(0.01 * length), 2), budget)
+    out = inverse_variance_layer_budgets(sigma, total, lower, length)
+    assert int(out.sum()) == total
+    assert int(out.min()) >= lower and int(out.max()) <= length
+    weights = [math.exp(-(s - min(sigma))) for s in sigma]
+    shares = [w / sum(weights) * total for w in weights]  # Eq. 5: softmax(−σ)·L·ρ·S
+    if all(lower <= s <= length for s in shares):
+        assert all(abs(int(b) - s) < 1 for b, s in zip(out, shares, strict=True))
+    for i in range(layers):  # less variance never gets (more than rounding) less cache
+        for j in range(layers):
+            if sigma[i] < sigma[j]:
+                assert int(out[i]) >= int(out[j]) - 1
+
+
+def test_layer_budgets_with_raw_variances_far_apart_still_sum_to_the_total():
+    # weights exp(−400) underflow: those layers sit at the floor, the total stays exact
+    out = inverse_variance_layer_budgets([1.0, 3.0, 125.0, 400.0, 2.3], total=5 * 205, lower=11, upper=1024)
+    assert int(out.sum()) == 5 * 205
+    assert out.tolist()[2:4] == [11, 11]
+    w = [math.exp(-0.0), math.exp(-2.0), math.exp(-1.3)]
+    shares = [x / sum(w) * (5 * 205 - 22) for x in w]
+    assert all(abs(b - s) < 1 for b, s in zip([out[0], out[1], out[4]], shares, strict=True))
+
+
+def test_layer_budgets_clamp_and_share_the_excess_in_proportion():
+    # raw variances: the softmax would give layer 0 nearly everything; it is capped at the prompt
+    out = inverse_variance_layer_budgets([0.0, 5.0, 6.0], total=300, lower=10, upper=200)
+    assert out.tolist()[0] == 200 and int(out.sum()) == 300
+    # the other two share the remaining 100 above their floor in proportion exp(−5) : exp(−6), or sit at it
+    rest = out.tolist()[1:]
+    assert all(b >= 10 for b in rest)
+    share1 = 100 * math.exp(-5) / (math.exp(-5) + math.exp(-6))
+    assert abs(rest[0] - share1) < 1
+
+
+def test_attention_variance_minmax_and_raw():
+    sums = torch.tensor([[3.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 0.0, 0.0]])
+    f = [np.var(row, ddof=1) for row in sums.numpy()]
+    lo, hi = min(f), max(f)
+    assert attention_variance(sums, "minmax") == pytest.approx(np.mean([(x - lo) / (hi - lo) for x in f]))
+    assert attention_variance(sums, "raw") == pytest.approx(np.mean(f))
+
+
+# ------------------------------------------------------------------------------ eviction + merging
+def d2o_prefill(method, fixtures, budget):
+    """Record every layer as the session does, then compress all of them."""
+    layers = []
+    for i, (k, v, q) in enumerate(fixtures):
+        layer = layer_of(k, v)
+        method.record(Observation(i, len(fixtures), q, layer, SCALE), [budget])
+        layers.append(layer)
+    method.post_prefill(layers, [budget])
+    return layers
+
+
+@pytest.mark.parametrize("name", ["d2o", "d2o-nomerge", "d2o-uniform"])
+def test_d2o_prefill_and_decode_match_the_reference(name):
+    fixtures = [fixture(s) for s in (11, 12, 13)]
+    method = make_method(name)
+    budget = 12
+    layers = d2o_prefill(method, fixtures, budget)
+    # layer budgets: softmax of −σ (min-max normalised head variances of the column sums) · 3 · budget
+    sums = [prompt_column_sums(q[0].double().numpy(), k[0].double().numpy()) for k, v, q in fixtures]
+    sigma = []
+    for s in sums:
+        f = [np.var(row, ddof=1) for row in s]
+        sigma.append(np.mean([(x - min(f)) / (max(f) - min(f)) for x in f]))
+    weights = np.exp(-np.array(sigma))
+    shares = weights / weights.sum() * 3 * budget
+    planned = method.layer_budgets(0)
+    if name == "d2o-uniform":
+        assert planned == [budget] * 3
+    else:
+        assert sum(planned) == 3 * budget and np.all(np.abs(np.array(planned) - shares) < 1)
+    beta = 0.7
+    for li, ((k, v, _q), layer, s) in enumerate(zip(fixtures, layers, sums, strict=True)):
+        size = planned[li]
+        nk, nv = k[0].double().numpy(), v[0].double().numpy()
+        rest = size - 4
+        heavy = int(0.75 * rest)
+        recent = rest - heavy
+        for h in range(H):
+            score = (s[2 * h] + s[2 * h + 1]) / 2  # GQA mean of the column sums
+            middle = sorted(range(4, N - recent), key=lambda j: -score[j])
+            assert score[middle[heavy - 1]] - score[middle[heavy]] > 1e-6  # no tie at the cut
+            kept = sorted([0, 1, 2, 3, *middle[:heavy], *range(N - recent, N)])
+            evicted = [j for j in range(N) if j not in kept]
+            k_h, v_h, pos = layer.head(h)
+            assert pos[0].tolist() == kept
+            want_k, want_v = nk[h, kept], nv[h, kept]
+            if name != "d2o-nomerge":
+                ek, ev = nk[h, evicted], nv[h, evicted]
+                want_k, want_v, _ = merge_reference(want_k, want_v, ek, ev, None, beta)
+            np.testing.assert_allclose(k_h[0].double().numpy(), want_k, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(v_h[0].double().numpy(), want_v, rtol=1e-5, atol=1e-6)
+            if name == "d2o-nomerge":  # unmerged entries are the original tensors, bit for bit
+                np.testing.assert_array_equal(k_h[0].double().numpy(), nk[h, kept])
+    # one decode step on layer 0: scores accumulate the new query's attention over the stored
+    # (merged) keys; the lowest-scored non-protected entry is evicted and merged under τ_1
+    g = torch.Generator().manual_seed(5)
+    k1, v1, q1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g), torch.randn(
+        1, HQ, 1, D, generator=g
+    )
+    layer = layers[0]
+    before_k = [layer.head(h)[0][0].double().numpy() for h in range(H)]
+    before_v = [layer.head(h)[1][0].double().numpy() for h in range(H)]
+    before_s = layer.state["d2o_attention"][0].double().numpy()
+    before_p = [layer.head(h)[2][0].tolist() for h in range(H)]
+    taus = dict(method._run["tau"].get(0, {}))
+    layer.update(k1, v1)
+    method.decode_step(Observation(0, 3, q1, layer, SCALE), [budget])
+    size = planned[0]
+    recent = (size - 4) - int(0.75 * (size - 4))
+    for h in range(H):
+        keys = np.concatenate([before_k[h], k1[0, h].double().numpy()])
+        values = np.concatenate([before_v[h], v1[0, h].double().numpy()])
+        score = np.concatenate([before_s[h], [0.0]])
+        for qh in (2 * h, 2 * h + 1):
+            score += probs_row(q1[0, qh, 0].double().numpy(), keys) / G
+        candidates = list(range(4, len(keys) - recent))
+        out = min(candidates, key=lambda j: score[j])
+        stay = [j for j in range(len(keys)) if j != out]
+        assert layer.head(h)[2][0].tolist() == [(before_p[h] + [N])[j] for j in stay]
+        want_k, want_v = keys[stay], values[stay]
+        if name != "d2o-nomerge":
+            want_k, want_v, tau = merge_reference(want_k, want_v, keys[[out]], values[[out]],
+                                                  float(taus[0][h]), beta)  # fmt: skip
+            assert float(method._run["tau"][0][0][h]) == pytest.approx(tau, abs=1e-6)
+        np.testing.assert_allclose(layer.head(h)[0][0].double().numpy(), want_k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(layer.head(h)[1][0].double().numpy(), want_v, rtol=1e-5, atol=1e-6)
+        state = layer.state["d2o_attention"][0, h].double().numpy()
+        np.testing.assert_allclose(state, score[stay], rtol=1e-5)
+
+
+def test_cam_merges_evicted_values_into_the_next_entries():
+    k, v, q = fixture(21)
+    method = make_method("cam")
+    layer = layer_of(k, v)
+    budget, sinks = 10, 4
+    method.compress(Observation(0, 4, q, layer, SCALE), [budget])
+    s = prompt_column_sums(q[0].double().numpy(), k[0].double().numpy())
+    kept = [0, 1, 2, 3, *range(N - (budget - sinks), N)]
+    evicted = [j for j in range(N) if j not in kept]
+    draws = method.draws(0, evicted, H).double().numpy()  # the seeded draws (inputs, not arithmetic)
+    span = budget - sinks
+    merged_any = False
+    for h in range(H):
+        a = (s[2 * h] + s[2 * h + 1]) / 2
+        values = v[0, h].double().numpy().copy()
+        for i, e in enumerate(evicted):
+            p = min(max(a[e] / a[kept].max(), 0.0), 1.0)
+            if draws[h, i] < p:
+                merged_any = True
+                values[e + 1 : e + 1 + span] += values[e] / span
+        k_h, v_h, pos = layer.head(h)
+        assert pos[0].tolist() == kept
+        np.testing.assert_array_equal(k_h[0].numpy(), k[0, h, kept].numpy())  # keys untouched
+        np.testing.assert_allclose(v_h[0].double().numpy(), values[kept], rtol=1e-5, atol=1e-6)
+    assert merged_any
+    # decode steps: the oldest non-sink leaves; p from the attention accumulated so far (the new
+    # query's over the stored entries added), the max over what stays; its value / 6 to the next 6
+    g = torch.Generator().manual_seed(3)
+    held = [layer.head(h)[1][0].double().numpy() for h in range(H)]
+    scores = [layer.state["cam_attention"][0, h].double().numpy() for h in range(H)]
+    positions = list(kept)
+    for step in range(3):
+        k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+        q1 = 4.0 * torch.randn(1, HQ, 1, D, generator=g)
+        keys_before = [layer.head(h)[0][0].double().numpy() for h in range(H)]
+        layer.update(k1, v1)
+        method.decode_step(Observation(0, 4, q1, layer, SCALE), [budget])
+        positions.append(N + step)
+        leaving = positions[sinks]
+        stay = positions[:sinks] + positions[sinks + 1 :]
+        (draw,) = method.draws(0, [leaving], H).double().numpy().T
+        for h in range(H):
+            keys = np.concatenate([keys_before[h], k1[0, h].double().numpy()])
+            a = np.concatenate([scores[h], [0.0]])
+            for qh in (2 * h, 2 * h + 1):
+                a += probs_row(q1[0, qh, 0].double().numpy(), keys) / G
+            values = np.concatenate([held[h], v1[0, h].double().numpy()])
+            keep_idx = [i for i in range(len(positions)) if i != sinks]
+            p = min(a[sinks] / a[keep_idx].max(), 1.0)
+            if draw[h] < p:
+                values[sinks + 1 : sinks + 1 + span] += values[sinks] / span
+            held[h], scores[h] = values[keep_idx], a[keep_idx]
+            assert layer.head(h)[2][0].tolist() == stay
+            np.testing.assert_allclose(layer.head(h)[1][0].double().numpy(), held[h], rtol=1e-5, atol=1e-6)
+        positions = stay
+
+
+# ------------------------------------------------------------------------------ decoding
+def test_cache_trace_is_flat_for_d2o_and_grows_for_the_full_cache(llama, chat_tokenizer):
+    context = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
+    d2o = kvbudget.generate(
+        llama, chat_tokenizer, context, "What?", method="d2o", budget=30, max_new_tokens=20
+    )
+    assert len(d2o.cache_trace) == len(d2o.token_ids) - 1 > 5
+    assert set(d2o.cache_trace) == {int(d2o.budgets.sum())}  # Σ_l S_l · kv_heads, every step
+    assert int(d2o.budgets.sum()) == 30 * 4 * 2
+    assert len(set(d2o.budgets.sum(1).tolist())) > 1  # layer budgets differ
+    full = kvbudget.generate(llama, chat_tokenizer, context, "What?", method="full", max_new_tokens=20)
+    per_step = 4 * 2  # layers × kv heads
+    assert full.cache_trace == [(full.prompt_tokens + 1 + i) * per_step for i in range(len(full.cache_trace))]
+
+
+@pytest.mark.integration
+def test_d2o_holds_every_layer_at_its_budget_while_decoding_on_the_real_model(real_model):
+    """Ratio 0.2, 40 greedy steps on smollm2 (the 512-step run is in docs/results.md): after every
+    step every layer's physical length equals its D2O budget, in every KV head."""
+    from kvbudget.eval.tasks.perplexity import _austen_ids
+
+    model, tokenizer = real_model
+    ids = torch.tensor([list(_austen_ids(tokenizer)[1000:1400])])
+    method = make_method("d2o")
+    cache = kvbudget.compress(model, ids, method=method, ratio=0.2)
+    planned = method.layer_budgets(0)
+    layers = model.config.num_hidden_layers
+    assert len(planned) == layers and sum(planned) == layers * 80 and len(set(planned)) > 1
+    size = cache.physical_bytes()
+    token = ids[:, -1:]
+    with torch.no_grad():
+        for _ in range(40):
+            token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            for i, layer in enumerate(cache.layers):
+                assert layer.physical_length == planned[i]
+                assert layer.head_lengths()[0].tolist() == [planned[i]] * layer.num_heads
+            assert cache.physical_bytes() == size
+    assert isinstance(cache, BudgetCache) and cache.get_seq_length() == 400 + 40
+
+
+def test_d2o_rejects_bad_options():
+    with pytest.raises(UnknownMethodError, match="beta"):
+        make_method("d2o", beta=1.5)
+    with pytest.raises(UnknownMethodError, match="variance"):
+        make_method("d2o", variance="entropy")

@@ -22,11 +22,14 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "lava-nohead": {"window": 4, "kernel": 3},
     "lava-pyramid": {"window": 4, "kernel": 3},
     "cake": {"window": 4},
+    "baklava-snapkv": {"window": 4, "kernel": 3},
 }
 
 ALL_METHODS = method_names()
 DECODE_METHODS = [name for name in ALL_METHODS if "decode" in make_method(name).stages]
 COMPRESSING_METHODS = [name for name in ALL_METHODS if name != "full"]
+#: methods whose per-layer (and per-head) budgets come from an offline profile
+PROFILED_METHODS = ["squeezeattention", "baklava", "baklava-snapkv"]
 
 
 def small(name: str) -> Method:

@@ -145,12 +145,13 @@ def prompt_from_spec(spec: str, tokenizer: Any) -> ProfilePrompt:
     return ProfilePrompt(spec, kind, ids, _sha(text))
 
 
-def folded_prompt(name: str, text: str, kind: str, vocab_size: int) -> ProfilePrompt:
-    """A prompt for a model without a tokenizer: the text's UTF-8 bytes folded into the vocabulary
-    (``3 + byte mod (vocab − 3)``, skipping the usual special ids 0–2). Deterministic; meant for
-    tiny test models — real models are profiled on real tokens."""
+def folded_prompt(name: str, text: str, kind: str, vocab_size: int, limit: int = 256) -> ProfilePrompt:
+    """A prompt for a model without a tokenizer: the first ``limit`` UTF-8 bytes of the text folded
+    into the vocabulary (``3 + byte mod (vocab − 3)``, skipping the usual special ids 0–2).
+    Deterministic; meant for tiny test models — real models are profiled on real tokens."""
     span = max(vocab_size - 3, 1)
-    ids = tuple(3 + b % span if vocab_size > 3 else b % vocab_size for b in text.encode("utf-8"))
+    raw = text.encode("utf-8")[:limit]
+    ids = tuple(3 + b % span if vocab_size > 3 else b % vocab_size for b in raw)
     return ProfilePrompt(name + "-folded", kind, ids, _sha(text))
 
 

@@ -17,6 +17,7 @@ from kvbudget.cli import app
 from kvbudget.errors import ProfileError
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import (
+    Profile,
     build_profile,
     builtin_profile,
     config_hash,
@@ -347,3 +348,65 @@ def test_tune_finds_the_grid_minimum_and_resumes(tmp_path, monkeypatch):
         model, None, path, "baklava", 0.25, length=96, grid=bigger, texts=texts, chunk=16, progress=False
     )
     assert len(calls) == 2 * len(texts) and len(entry["grid"]) == 6
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra = torch.argsort(torch.argsort(a.reshape(-1))).double()
+    rb = torch.argsort(torch.argsort(b.reshape(-1))).double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+@pytest.mark.integration
+def test_real_model_head_ranks_agree_between_text_and_code(real_model):
+    """BaKlaVa §3.1.2: importance ranks are consistent across prompts of different kinds."""
+    model, _ = real_model
+    profile = builtin_profile(model)  # the bundled prose and code prompts, real tokens
+    assert [p["kind"] for p in profile.prompts] == ["text", "code"]
+    assert not profile.prompts[0]["name"].endswith("folded")
+    text, code = (torch.tensor(p["head_similarity"]) for p in profile.per_prompt)
+    rho = _spearman(kv_importance(text, 3), kv_importance(code, 3))
+    assert rho > 0.7, rho
+
+
+def _hand_profile(layers: int, heads: int) -> Profile:
+    importance = [[0.1 + 0.2 * ((i * heads + h) % 4) for h in range(heads)] for i in range(layers)]
+    sims = [[1 - x for x in row for _ in range(2)] for row in importance]
+    return Profile(
+        model={"name": "hand", "config_hash": "x", "num_layers": layers, "num_attention_heads": 2 * heads,
+               "num_kv_heads": heads},
+        prompts=[], head_similarity=sims, kv_importance=importance,
+        layer_similarity=[0.5, 0.9, 0.91, 0.2][:layers], per_prompt=[],
+    )  # fmt: skip
+
+
+def test_baklava_snapkv_keeps_snapkv_choice_at_each_caches_own_budget():
+    """Each cache keeps exactly what SnapKV keeps at that cache's budget (window capped at it)."""
+    from kvbudget.cache import BudgetLayer
+    from kvbudget.observation import Observation
+
+    g = torch.Generator().manual_seed(3)
+    k, v, q = (
+        torch.randn(1, 2, 40, 8, generator=g),
+        torch.randn(1, 2, 40, 8, generator=g),
+        torch.randn(1, 4, 40, 8, generator=g),
+    )
+
+    def layer():
+        out = BudgetLayer()
+        out.update(k.clone(), v.clone())
+        return out
+
+    method = make_method("baklava-snapkv", window=4, kernel=3, t=0.4, r=0.75, p=0.5)
+    method.__dict__["_profile"] = _hand_profile(4, 2)
+    budgets = method.cache_budgets(10, 40, 0.25)
+    assert int(budgets.sum()) == 80 and len(set(budgets.flatten().tolist())) > 2
+    for layer_idx in range(4):
+        mine = layer()
+        method.compress(Observation(layer_idx, 4, q, mine, 8**-0.5), [10])
+        for h in range(2):
+            b = int(budgets[layer_idx, h])
+            ref_layer = layer()
+            ref = make_method("snapkv", window=min(4, b), kernel=3)
+            ref.compress(Observation(layer_idx, 4, q, ref_layer, 8**-0.5), [b])
+            assert mine.head(h)[2][0].tolist() == ref_layer.head(h)[2][0].tolist(), (layer_idx, h, b)

@@ -315,6 +315,11 @@ def test_tuned_parameters_are_used_when_no_option_is_given(tmp_path):
     snap = make_method("baklava-snapkv", profile=str(path))
     snap.prepare(model)
     assert snap.resolved_tr(0.1) == (0.5, 0.9)  # falls back to baklava's search
+    assert method.resolved_p(0.25) == 0.3  # nothing tuned for p: the default
+    profile.tuned["squeezeattention"] = {"0.3": {"best": {"p": 0.8}}}
+    save_profile(profile, path)
+    method.prepare(model)
+    assert method.resolved_p(0.25) == 0.8  # BaKlaVa's layer split uses SqueezeAttention's tuned p
     explicit = make_method("baklava", profile=str(path), t=0.3, r=0.2)
     explicit.prepare(model)
     assert explicit.resolved_tr(0.25) == (0.3, 0.2)

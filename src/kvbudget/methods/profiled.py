@@ -80,10 +80,10 @@ class ProfiledMethod(Method):
             )
         return profile
 
-    def tuned(self, ratio: float) -> dict[str, float]:
-        """Tuned parameters stored in the profile at the ratio nearest ``ratio``: this method's
-        own search, else the first of ``tuned_from`` that has one."""
-        for name in (self.name, *self.tuned_from):
+    def tuned(self, ratio: float, names: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Tuned parameters stored in the profile at the ratio nearest ``ratio``: the first of
+        ``names`` (default: this method, then ``tuned_from``) that has a search."""
+        for name in names or (self.name, *self.tuned_from):
             best = None
             for key, entry in self.bound_profile.tuned.get(name, {}).items():
                 if not isinstance(entry, dict) or not isinstance(entry.get("best"), dict):
@@ -99,7 +99,15 @@ class ProfiledMethod(Method):
         return {}
 
     def resolved_p(self, ratio: float) -> float:
-        return self.p if self.p >= 0 else float(self.tuned(ratio).get("p", self.default_p))
+        """``p``: the option, else this method's tuned ``p``, else SqueezeAttention's tuned ``p`` (the
+        layer split BaKlaVa builds on), else 0.3."""
+        if self.p >= 0:
+            return self.p
+        for names in (None, ("squeezeattention",)):
+            value = self.tuned(ratio, names).get("p")
+            if value is not None:
+                return float(value)
+        return self.default_p
 
     # ------------------------------------------------------------------ budgets
     def shares(self, ratio: float) -> torch.Tensor:
@@ -220,4 +228,5 @@ class ProfiledMethod(Method):
                 row.append(slots)
             keep.append(row)
         layer.keep(keep)
+
 

@@ -22,6 +22,7 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "lava-nohead": {"window": 4, "kernel": 3},
     "lava-pyramid": {"window": 4, "kernel": 3},
     "cake": {"window": 4},
+    "baklava-snapkv": {"window": 4, "kernel": 3},
 }
 
 ALL_METHODS = method_names()
@@ -38,6 +39,8 @@ DYNAMIC_LAYER_METHODS = [
 #: equal the masked full-sequence reference; their merge arithmetic has its own reference tests
 #: (tests/test_d2o.py)
 MERGING_METHODS = ["d2o", "d2o-uniform", "cam"]
+#: methods whose per-layer (and per-head) budgets come from an offline profile
+PROFILED_METHODS = ["squeezeattention", "baklava", "baklava-snapkv"]
 
 
 def small(name: str) -> Method:

@@ -15,6 +15,7 @@ from method_matrix import (
     DECODE_METHODS,
     DYNAMIC_LAYER_METHODS,
     MERGING_METHODS,
+    PROFILED_METHODS,
     small,
 )
 
@@ -55,8 +56,9 @@ def test_compression_keeps_the_budget(name, llama):
         )
         # PyramidKV's formula by hand (window 4, β 20, 120 tokens): B' = 20, min 1, max 39, step 12
         assert per_layer.tolist() == [heads * (39 - 12 * layer + 4) for layer in range(layers)]
-    elif name in DYNAMIC_LAYER_METHODS:
-        # dynamic layer budgets (LAVa, CAKE, D2O): the model's total is exact, every head keeps its window
+    elif name in DYNAMIC_LAYER_METHODS or name in PROFILED_METHODS:
+        # dynamic or profiled layer budgets (LAVa, CAKE, D2O, BaKlaVa): the model's total is exact,
+        # every head keeps its window
         assert int(stats.entries.sum()) == layers * heads * budget
         assert stats.entries.min() >= small(name).window
     else:
@@ -132,7 +134,7 @@ def test_decode_methods_hold_the_budget_every_step(name, llama):
     budget = 24
     cache = kvbudget.compress(llama, ids, method=small(name), budget=budget)
     held = cache.stats().entries.clone()
-    if name in DYNAMIC_LAYER_METHODS:  # dynamic layer budgets: each layer holds its own, the total is exact
+    if name in DYNAMIC_LAYER_METHODS or name in PROFILED_METHODS:  # per-layer budgets; exact total
         assert int(held.sum()) == held.numel() * budget
     else:
         assert held.eq(budget).all()

@@ -328,6 +328,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
         # references in tests/test_lava.py, tests/test_cake.py and tests/test_d2o.py
         "lava", "lava-uniform", "lava-nohead", "lava-pyramid", "cake",
         "d2o", "d2o-uniform", "d2o-nomerge", "cam",
+        # references in tests/test_baklava.py
+        "squeezeattention", "baklava", "baklava-snapkv",
     }  # fmt: skip
     assert set(method_names()) == covered
 

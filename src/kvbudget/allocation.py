@@ -286,3 +286,110 @@ def inverse_variance_layer_budgets(
         shares = (shares * (total / float(shares.sum()))).clamp(lower, upper)  # the bisection's last 1e-12
     result = largest_remainder_round(shares, total)
     return result.clamp(lower, upper)
+
+
+# ---------------------------------------------------------------------------- offline profiles
+def kmeans_1d(values: Sequence[float], k: int = 3) -> list[int]:
+    """Exact 1-D k-means: cluster labels ``0..k−1`` ordered by centre (0 = lowest centre).
+
+    Clusters of 1-D data are contiguous runs of the sorted values, so every split of the sorted
+    values into ``k`` non-empty runs is tried and the one with the least within-cluster sum of
+    squares wins (the first such split on exact ties) — deterministic and globally optimal,
+    unlike Lloyd's algorithm with random starts (what scikit-learn's ``KMeans`` runs). Fewer
+    than ``k`` values give one cluster per value.
+    """
+    x = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    n = x.numel()
+    order = torch.argsort(x, stable=True)
+    s = x[order]
+    k = min(k, n)
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), s.cumsum(0)])
+    prefix2 = torch.cat([torch.zeros(1, dtype=torch.float64), (s * s).cumsum(0)])
+
+    def sse(a: int, b: int) -> float:  # values s[a:b]
+        total = float(prefix[b] - prefix[a])
+        return float(prefix2[b] - prefix2[a]) - total * total / (b - a)
+
+    best: tuple[float, tuple[int, ...]] | None = None
+
+    def search(start: int, left: int, cuts: tuple[int, ...], cost: float) -> None:
+        nonlocal best
+        if left == 1:
+            total = cost + sse(start, n)
+            if best is None or total < best[0] - 1e-15:
+                best = (total, cuts)
+            return
+        for cut in range(start + 1, n - left + 2):
+            search(cut, left - 1, (*cuts, cut), cost + sse(start, cut))
+
+    search(0, k, (), 0.0)
+    labels = [0] * n
+    bounds = [0, *best[1], n]
+    for cluster in range(k):
+        for i in range(bounds[cluster], bounds[cluster + 1]):
+            labels[int(order[i])] = cluster
+    return labels
+
+
+def squeeze_layer_weights(similarity: Sequence[float], p: float) -> list[float]:
+    """SqueezeAttention's layer split as relative budgets (mean 1 over the layers).
+
+    The layers' similarities (cosine between a layer's residual input and input + attention
+    output; high = the attention changes little) are clustered into 3 groups (exact 1-D
+    k-means); the group with the highest centre keeps ``p`` of the uniform budget, the other
+    layers share the rest equally: ``(n − n₃·p) / (n − n₃)``. Uniform when the similarities are
+    all equal or fewer than 3 layers exist.
+    """
+    sims = [float(s) for s in similarity]
+    n = len(sims)
+    if n < 3 or max(sims) - min(sims) <= 1e-12:
+        return [1.0] * n
+    labels = kmeans_1d(sims, 3)
+    top = [label == 2 for label in labels]
+    n3 = sum(top)
+    other = (n - n3 * p) / (n - n3)
+    return [p if is_top else other for is_top in top]
+
+
+def baklava_reallocate(
+    importance: torch.Tensor, base: torch.Tensor, t: float, r: float
+) -> torch.Tensor:
+    """BaKlaVa's Algorithm 2 over ``m`` KV caches (all layers × KV heads, flattened).
+
+    Args:
+        importance: ``[m]`` KV-cache importance ``I = 1 − similarity``.
+        base: ``[m]`` allocations before reallocation (the layer split), any positive scale.
+        t: caches with ``I < t`` are "low importance".
+        r: fraction of its allocation each low-importance cache gives up.
+    Returns:
+        ``[m]`` float64 allocations with the same sum: if ``0 < n < m`` caches are below ``t``
+        (``n = 0`` or ``n = m``: unchanged), each gives up ``r`` of its allocation and the freed
+        total goes in equal parts to the ``k = min(n, m − n)`` most important caches (ties to the
+        earlier cache). With a uniform base this is the paper's ``Δr = n·r/k`` per receiving cache.
+    """
+    imp = importance.double().reshape(-1)
+    alloc = base.double().reshape(-1).clone()
+    m = imp.numel()
+    low = imp < t
+    n = int(low.sum())
+    if n == 0 or n > m - 1:
+        return alloc
+    freed = float((alloc[low] * r).sum())
+    alloc[low] = alloc[low] * (1.0 - r)
+    k = min(n, m - n)
+    candidates = (~low).nonzero().flatten()
+    ranked = candidates[torch.sort(imp[candidates], descending=True, stable=True).indices[:k]]
+    alloc[ranked] += freed / k
+    return alloc
+
+
+def integer_budgets(shares: torch.Tensor, total: int, capacity: int, floor: int = 1) -> torch.Tensor:
+    """Integer budgets ``≥ floor`` and ``≤ capacity``, proportional to ``shares: [m]``, summing to
+    ``min(total, m·capacity)``: ``floor`` each, the rest by :func:`proportional_budgets`
+    (water-filling at the capacity, largest-remainder rounding)."""
+    m = shares.numel()
+    floor = min(floor, capacity)
+    if total >= m * capacity:
+        return torch.full((m,), capacity, dtype=torch.long)
+    rest = max(total - m * floor, 0)
+    return proportional_budgets(shares.double(), rest, [capacity - floor] * m) + floor

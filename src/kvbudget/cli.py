@@ -158,6 +158,9 @@ def fetch(
         raise KVBudgetError(f"unknown artifact kind '{what}': expected 'model' or 'data'")
 
 
+DEFAULT_PROFILE_PROMPTS = ("austen:2048", "stdlib/argparse.py:512")
+
+
 def _split(values: list[str] | None) -> list[str]:
     """``["a,b", "c"]`` → ``["a", "b", "c"]`` (options may be repeated or comma-separated).
 
@@ -221,6 +224,87 @@ def evaluate(
         from kvbudget.eval.report import write_report
 
         console.print(f"report: [bold]{write_report(out)}[/bold]")
+
+
+def _floats(values: list[str] | None, what: str) -> list[float] | None:
+    try:
+        return [float(v) for v in _split(values)] or None
+    except ValueError:
+        raise KVBudgetError(f"--{what} expects numbers, got {values}") from None
+
+
+@app.command()
+@user_errors
+def profile(
+    model: Annotated[str, typer.Option(help="Registry name, local HF directory or .gguf.")] = "smollm2-135m",
+    prompts: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Prompts SOURCE[:TOKENS]: builtin-text, builtin-code, austen, stdlib/REL.py or a file "
+            "(comma-separated or repeated)."
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Profile JSON (default: $KVBUDGET_HOME/profiles/<config hash>.json).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Measure a model's BaKlaVa/SqueezeAttention profile (head and layer similarities) into JSON."""
+    from kvbudget.models import load_model
+    from kvbudget.profiles import build_profile, default_profile_path, prompt_from_spec, save_profile
+
+    specs = _split(prompts) or list(DEFAULT_PROFILE_PROMPTS)
+    lm, tokenizer = load_model(model, dtype=dtype)
+    made = build_profile(lm, [prompt_from_spec(spec, tokenizer) for spec in specs], name=model)
+    path = save_profile(made, out or default_profile_path(lm))
+    importance = made.importance()
+    sources = ", ".join(f"{p['name']} ({p['tokens']} tokens)" for p in made.prompts)
+    low, high = float(importance.min()), float(importance.max())
+    console.print(f"profile of {model} from {sources}")
+    console.print(f"{importance.numel()} KV caches, importance {low:.3f}–{high:.3f}")
+    console.print(f"saved: [bold]{path}[/bold]")
+
+
+@app.command()
+@user_errors
+def tune(
+    ratio: Annotated[float, typer.Option(help="Compression ratio: fraction of the text kept, in (0, 1).")],
+    model: Annotated[str, typer.Option(help="Registry name, local HF directory or .gguf.")] = "smollm2-135m",
+    method: Annotated[str, typer.Option(help="baklava, baklava-snapkv or squeezeattention.")] = "baklava",
+    profile_path: Annotated[
+        Path | None, typer.Option("--profile", help="Profile JSON (default: the model's default profile).")
+    ] = None,
+    length: Annotated[int, typer.Option(help="Tokens per Austen passage (the context length).")] = 1024,
+    passages: Annotated[int, typer.Option(help="Passages per grid point.")] = 2,
+    chunk: Annotated[int, typer.Option(help="Tokens scored per forward.")] = 32,
+    seed: Annotated[int, typer.Option(help="Passage seed.")] = 0,
+    t: Annotated[list[str] | None, typer.Option(help="Thresholds (default: importance quantiles).")] = None,
+    r: Annotated[list[str] | None, typer.Option(help="Reduction values (default 0.2,0.4,0.6,0.8).")] = None,
+    p: Annotated[list[str] | None, typer.Option(help="SqueezeAttention p values.")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Algorithm 3: grid search by perplexity; writes the best parameters into the profile (resumable)."""
+    from kvbudget.models import load_model
+    from kvbudget.profiles import default_profile_path, load_profile
+    from kvbudget.tuning import TUNABLE, default_grid
+    from kvbudget.tuning import tune as run_tune
+
+    if method not in TUNABLE:
+        raise KVBudgetError(f"cannot tune '{method}': tunable methods are {', '.join(TUNABLE)}")
+    lm, tokenizer = load_model(model, dtype=dtype)
+    path = profile_path or default_profile_path(lm)
+    grid = default_grid(load_profile(path, lm), method)
+    for name, values in (("t", t), ("r", r), ("p", p)):
+        parsed = _floats(values, name)
+        if parsed:
+            grid[name] = parsed
+    entry = run_tune(
+        lm, tokenizer, path, method=method, ratio=ratio, length=length, num_passages=passages, seed=seed,
+        chunk=chunk, grid=grid,
+    )  # fmt: skip
+    best = entry["best"]
+    params = ", ".join(f"{k}={v}" for k, v in best.items() if k not in ("nll", "perplexity"))
+    console.print(f"best at ratio {ratio:g}: {params} (perplexity {best['perplexity']:.3f}); saved in {path}")
 
 
 @app.command("report")

@@ -268,6 +268,7 @@ def prefill(
     ``[b, T]`` and the position of each row's last token ``[b]``.
     """
     attach(model)
+    session.method.prepare(model)
     cache = BudgetCache(model.config.num_hidden_layers, session)
     inputs = prefill_inputs(prompts, pad_id, compress_context_only)
     session.phase = "prefill"
@@ -480,6 +481,7 @@ def compress(
         attention_mask = torch.ones_like(input_ids)
     _check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())
     attach(model)
+    method_obj.prepare(model)
     session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
     cache = BudgetCache(model.config.num_hidden_layers, session)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)

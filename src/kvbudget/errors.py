@@ -29,3 +29,7 @@ class UnsupportedModelError(KVBudgetError):
 
 class ArtifactError(KVBudgetError):
     """A registry artifact (model or data) is missing, or its hash does not match."""
+
+
+class ProfileError(KVBudgetError):
+    """An offline profile (BaKlaVa, SqueezeAttention) that is missing, corrupted or for another model."""

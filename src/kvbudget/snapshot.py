@@ -85,6 +85,7 @@ def derive(
     the question has been appended uncompressed) and the last-position logits to decode from.
     """
     num_layers = model.config.num_hidden_layers
+    method.prepare(model)
     session = CompressionSession(method, num_layers, budget=budget, ratio=ratio)
     cache = BudgetCache(num_layers, session)
     cache.attention_attached = True

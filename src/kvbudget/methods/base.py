@@ -78,6 +78,13 @@ class Method:
                 f"(window {self.window} + sinks {self.sinks} + 1), got {budget}"
             )
 
+    def prepare(self, model: Any) -> None:
+        """Bind what the method needs from the model before a run (offline profiles); no-op by default.
+
+        Called by :func:`kvbudget.engine.prefill`, :func:`kvbudget.engine.compress`,
+        :func:`kvbudget.snapshot.derive` and the perplexity task before the first forward.
+        """
+
     # ------------------------------------------------------------------ parts
     def window_for(self, budget: int) -> int:
         """Recent entries always kept when a row's budget is ``budget``."""

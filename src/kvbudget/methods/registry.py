@@ -8,6 +8,7 @@ from typing import Any
 from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.ada_pyramidkv import AdaPyramidKV
 from kvbudget.methods.ada_snapkv import AdaSnapKV
+from kvbudget.methods.baklava import BaKlaVa, BaKlaVaSnapKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.cake import CAKE
 from kvbudget.methods.cam import CaM
@@ -19,6 +20,7 @@ from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.snapkv import SnapKV
+from kvbudget.methods.squeezeattention import SqueezeAttention
 from kvbudget.methods.streamingllm import StreamingLLM
 from kvbudget.methods.tova import TOVA
 from kvbudget.methods.vatp import VATP
@@ -46,6 +48,9 @@ REGISTRY: dict[str, type[Method]] = {
         D2OUniform,
         D2ONoMerge,
         CaM,
+        SqueezeAttention,
+        BaKlaVa,
+        BaKlaVaSnapKV,
     )
 }
 

@@ -95,6 +95,7 @@ def chunked_perplexity(
     context and are not scored; every later token is predicted from the compressed cache.
     """
     attach(model)
+    method.prepare(model)
     total = ids.shape[1]
     start = max(chunk, min(first_chunk or budget or chunk, total - 1))
     layers = model.config.num_hidden_layers

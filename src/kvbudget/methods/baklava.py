@@ -1,0 +1,108 @@
+"""BaKlaVa: per-KV-cache budgets from an offline head-importance profile (+ a SnapKV variant)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbudget.allocation import baklava_reallocate
+from kvbudget.errors import UnknownMethodError
+from kvbudget.methods.profiled import ProfiledMethod
+from kvbudget.observation import Observation
+from kvbudget.scoring import window_scores
+
+
+@dataclass
+class BaKlaVa(ProfiledMethod):
+    """BaKlaVa: KV caches of unimportant heads give memory to the most important ones.
+
+    **Profile** (Alg. 1, :mod:`kvbudget.profiles`): per query head, the token-mean cosine
+    similarity between its value input ``V`` and output ``softmax(QKᵀ)V``, mapped to ``[0, 1]``;
+    per KV cache the GQA group's mean, importance ``I = 1 − similarity``. Layer similarity is
+    SqueezeAttention's.
+
+    **Budgets**: the SqueezeAttention layer split (3 clusters, share ``p``) gives every cache of a
+    layer the same base; then Algorithm 2 over all ``m = layers × kv_heads`` caches: caches with
+    ``I < t`` give up ``r`` of their base, and the freed memory goes in equal parts to the
+    ``min(n, m − n)`` most important caches (nothing changes if no cache or every cache is below
+    ``t``). Budgets are integerised with the model's total ``B·m`` exact, none above the prompt,
+    each cache at least one entry, and stored per head (ragged: the memory is really saved).
+
+    **Eviction** inside each cache: StreamingLLM (4 sinks + most recent), at the prefill and every
+    decode step, as in the paper. ``baklava-snapkv`` uses SnapKV's scores instead.
+
+    ``t`` and ``r`` default to the values ``kvbudget tune`` (Alg. 3, perplexity grid search) stored
+    in the profile for the compression ratio nearest the run's (``budget / prompt length``); an
+    untuned profile uses ``t`` = the median importance and ``r = 0.5`` (our choice; the paper tunes
+    both per model and ratio). The paper has no public code; where it is silent we chose: several
+    profiling prompts are averaged with equal weight; with a non-uniform base the freed memory is
+    split equally (the paper's ``Δr = n·r/k`` assumes equal caches).
+
+    Reference: Gulhan et al., "BaKlaVa — Budgeted Allocation of KV cache for Long-context
+    Inference" (arXiv:2502.13176).
+
+    Args:
+        t: importance threshold (negative = tuned, else the median importance).
+        r: fraction of the budget a low-importance cache loses, in [0, 1] (negative = tuned, else 0.5).
+        p, profile, sinks: as ``squeezeattention``.
+    """
+
+    name: ClassVar[str] = "baklava"
+    paper: ClassVar[str] = "arXiv:2502.13176"
+    granularity: ClassVar[str] = "cache"
+    default_r: ClassVar[float] = 0.5
+
+    t: float = -1.0
+    r: float = -1.0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.r >= 0 and self.r > 1.0:
+            raise UnknownMethodError(f"{self.name}: r must be in [0, 1] (or negative = auto), got {self.r}")
+
+    def resolved_tr(self, ratio: float) -> tuple[float, float]:
+        """``(t, r)`` for a run at compression ``ratio``: the options, else tuned, else the defaults."""
+        tuned = self.tuned(ratio)
+        t = self.t if self.t >= 0 else tuned.get("t")
+        if t is None:
+            t = float(self.bound_profile.importance().reshape(-1).median())
+        r = self.r if self.r >= 0 else float(tuned.get("r", self.default_r))
+        return float(t), r
+
+    def shares(self, ratio: float) -> torch.Tensor:
+        base = super().shares(ratio)
+        t, r = self.resolved_tr(ratio)
+        importance = self.bound_profile.importance()
+        return baklava_reallocate(importance.reshape(-1), base.reshape(-1), t, r).reshape(base.shape)
+
+
+@dataclass
+class BaKlaVaSnapKV(BaKlaVa):
+    """BaKlaVa's per-cache budgets with SnapKV eviction inside each cache (new combination).
+
+    Each cache keeps its top ``b_h − w`` entries by SnapKV's window score (w 32, maxpool 7, sum over
+    the window rows, GQA mean) plus its last ``w`` tokens (a cache with ``b_h ≤ w`` keeps its last
+    ``b_h``). Prefill stage only, like SnapKV. Tuned parameters: this method's own, else ``baklava``'s.
+
+    Args:
+        window, kernel, pooling, reduce_rows, reduce_heads: as ``snapkv``; t, r, p, profile: as ``baklava``.
+    """
+
+    name: ClassVar[str] = "baklava-snapkv"
+    stages: ClassVar[tuple[str, ...]] = ("prefill",)
+    tuned_from: ClassVar[tuple[str, ...]] = ("baklava",)
+
+    window: int = 32
+    sinks: int = 0
+    kernel: int = 7
+    pooling: str = "max"
+    reduce_rows: str = "sum"
+    reduce_heads: str = "mean"
+
+    def head_window(self, head_budget: int) -> int:
+        return min(self.window, head_budget)
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return window_scores(obs, self.window, self.kernel, self.pooling, self.reduce_rows, self.reduce_heads)

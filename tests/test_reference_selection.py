@@ -325,8 +325,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
     covered = {
         "full", "random", "knorm", "streamingllm", "snapkv", "pyramidkv",
         "ada-snapkv", "ada-pyramidkv", "h2o", "tova", "vatp",
-        # references in tests/test_lava.py and tests/test_cake.py
-        "lava", "lava-uniform", "lava-nohead", "lava-pyramid", "cake",
+        # references in tests/test_lava.py, tests/test_cake.py and tests/test_laq.py
+        "lava", "lava-uniform", "lava-nohead", "lava-pyramid", "cake", "laq", "laq++", "laq-ada", "laq-lava",
     }  # fmt: skip
     assert set(method_names()) == covered
 

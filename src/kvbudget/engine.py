@@ -35,7 +35,8 @@ class GenerationResult:
         token_ids: generated token ids (EOS included when produced).
         ttft_s: time to first token (prefill + compression + first token).
         tpot_s: mean time per output token after the first.
-        compress_s: time spent scoring and selecting during the prefill.
+        compress_s: compression time before the first token (scoring and selecting during the
+            prefill; a post-prefill method's lookahead and re-selection).
         cache_stats_before: an uncompressed cache of the prompt; cache_stats_after: after the prefill.
         budgets: ``[layers, kv_heads]`` entries kept per head after the prefill.
         timings: seconds — ``prefill`` (forward passes of the prompt), ``compress`` (all compression

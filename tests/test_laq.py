@@ -351,3 +351,13 @@ def test_question_agnostic_lookahead_runs_before_the_question(chat_tokenizer, ll
     assert entries.eq(30 + len(prompt.question_ids)).all()  # the question is appended uncompressed
     inputs = prefill_inputs([prompt], chat_tokenizer.pad_token_id, compress_context_only=True)
     assert inputs.compressed_until == context
+
+
+@pytest.mark.parametrize("lookahead_method", ["streamingllm", "full", "ada-pyramidkv"])
+def test_every_lookahead_method_gives_a_budgeted_cache(lookahead_method, llama, chat_tokenizer):
+    method = make_method("laq++", **_options(lookahead_method=lookahead_method))
+    result = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXT, QUESTION, method=method, budget=30, max_new_tokens=3
+    )
+    assert method.last_lookahead.tokens.shape[1] == 4
+    assert result.cache_stats_after.entries.eq(30).all()

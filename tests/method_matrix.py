@@ -23,6 +23,10 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "lava-pyramid": {"window": 4, "kernel": 3},
     "cake": {"window": 4},
     "baklava-snapkv": {"window": 4, "kernel": 3},
+    "laq": {"kernel": 3, "steps": 3, "lookahead_window": 4},
+    "laq++": {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4},
+    "laq-ada": {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4},
+    "laq-lava": {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4},
 }
 
 ALL_METHODS = method_names()

@@ -330,6 +330,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "d2o", "d2o-uniform", "d2o-nomerge", "cam",
         # references in tests/test_baklava.py
         "squeezeattention", "baklava", "baklava-snapkv",
+        # references in tests/test_laq.py
+        "laq", "laq++", "laq-ada", "laq-lava",
     }  # fmt: skip
     assert set(method_names()) == covered
 

@@ -38,14 +38,13 @@ def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat
     prompts = [build_prompt(chat_tokenizer, c, q) for c, q in zip(CONTEXTS, QUESTIONS, strict=True)]
     inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id, compress_context_only=agnostic)
     snapshot = take_snapshot(llama, inputs)
-    cache, logits = derive(llama, snapshot, small(name), budget=budget)
+    eos = eos_ids(llama, chat_tokenizer)  # what generate uses (ends a post-prefill method's lookahead)
+    cache, logits = derive(llama, snapshot, small(name), budget=budget, eos=eos)
     if agnostic:
         prefix = inputs.compressed_until
         assert cache.get_seq_length() == inputs.ids.shape[1] > prefix
     assert torch.equal(cache.session.budgets, torch.stack([r.budgets for r in layer_wise]))
-    decoded = decode_loop(
-        llama, cache, logits, inputs.mask, inputs.positions[:, -1], eos_ids(llama, chat_tokenizer), 10
-    )
+    decoded = decode_loop(llama, cache, logits, inputs.mask, inputs.positions[:, -1], eos, 10)
     assert decoded.generated == [r.token_ids for r in layer_wise]
     assert _layers_equal(cache, layer_wise[0].cache)
 

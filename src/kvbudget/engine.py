@@ -3,7 +3,9 @@
 ``generate`` prefills the whole prompt (question-aware, the papers' setting) or only the context
 (``compress_context_only=True``, question-agnostic, then the question is appended uncompressed),
 compressing each layer right after its attention, then decodes greedily (or with temperature /
-top-p) while decode-stage methods keep the cache at budget.
+top-p) while decode-stage methods keep the cache at budget. Post-prefill methods (the lookahead
+of :mod:`kvbudget.methods.lookahead`) compress the whole prefilled part at once, right after it
+(:func:`run_lookahead`), before the question of a question-agnostic run is appended.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ class GenerationResult:
         token_ids: generated token ids (EOS included when produced).
         ttft_s: time to first token (prefill + compression + first token).
         tpot_s: mean time per output token after the first.
-        compress_s: time spent scoring and selecting during the prefill.
+        compress_s: compression time before the first token (scoring and selecting during the
+            prefill; a lookahead method's lookahead and re-selection).
         cache_stats_before: an uncompressed cache of the prompt; cache_stats_after: after the prefill.
         budgets: ``[layers, kv_heads]`` entries kept per head after the prefill.
-        timings: ``prefill``, ``compress``, ``decode`` (and what other stages add), seconds.
+        timings: seconds — ``prefill`` (forward passes of the prompt), ``compress`` (all compression
+            work before the first token: scoring and selecting, plus ``lookahead`` and ``reselect``
+            for lookahead methods, 0 for others), ``lookahead`` (clone, compress the clone,
+            pseudo decoding), ``reselect`` (re-scoring the full cache), ``decode`` (steps after the
+            first token), ``decode_trim`` (decode-stage eviction inside ``decode``).
         prompt_tokens: prompt length in tokens.
         method: the method's name; options: its hyperparameters.
         selection_layer: the layer where a prune-stage method cut the prompt (None otherwise).
@@ -155,9 +162,16 @@ def _check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int]
             )
 
 
-def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def model_eos_ids(model: PreTrainedModel) -> set[int]:
+    """End-of-answer ids the model's generation config declares."""
+    return eos_ids(model, None)
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     ids: set[int] = set()
-    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+    generation_config = getattr(model, "generation_config", None)
+    tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer_eos):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
@@ -242,6 +256,28 @@ def prefill_compressed_part(
     )
 
 
+def run_lookahead(
+    model: PreTrainedModel,
+    inputs: PrefillInputs,
+    cache: BudgetCache,
+    logits: torch.Tensor,
+    eos: set[int] | None = None,
+) -> None:
+    """Let a lookahead method compress ``cache`` after the compressed part was prefilled.
+
+    ``logits: [b, vocab]`` are the compressed part's last logits; ``eos`` the ids ending an answer
+    (default: the model's). No-op for other methods.
+    """
+    session = cache.session
+    if session is None or "lookahead" not in session.method.stages:
+        return
+    cut = inputs.compressed_until
+    if eos is None:
+        eos = model_eos_ids(model)
+    mask, last_pos = inputs.mask[:, :cut], inputs.positions[:, cut - 1]
+    session.method.run_lookahead(model, cache, logits, mask, last_pos, eos)
+
+
 def append_uncompressed(
     model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
 ) -> torch.Tensor | None:
@@ -261,8 +297,10 @@ def prefill(
     session: CompressionSession,
     pad_id: int,
     compress_context_only: bool = False,
+    eos: set[int] | None = None,
 ) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prefill ``prompts`` (left-padded batch) into a new BudgetCache, compressing layer by layer.
+    """Prefill ``prompts`` (left-padded batch) into a new BudgetCache, compressing layer by layer
+    (lookahead methods: right after the compressed part; ``eos`` ends their lookahead).
 
     Returns the cache, the last position's logits ``[b, vocab]``, the 2-D attention mask
     ``[b, T]`` and the position of each row's last token ``[b]``.
@@ -273,6 +311,7 @@ def prefill(
     inputs = prefill_inputs(prompts, pad_id, compress_context_only)
     session.phase = "prefill"
     logits = prefill_compressed_part(model, inputs, cache)
+    run_lookahead(model, inputs, cache, logits, eos)
     question_logits = append_uncompressed(model, inputs, cache)
     logits = logits if question_logits is None else question_logits
     return cache, logits, inputs.mask, inputs.positions[:, -1]
@@ -408,7 +447,7 @@ def generate(
     generator = torch.Generator().manual_seed(seed)
 
     start = time.perf_counter()
-    cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only)
+    cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only, eos)
     prefill_seconds = time.perf_counter() - start
     stats_after = [cache.stats(r) for r in range(len(prompts))]
     start = time.perf_counter()
@@ -440,6 +479,8 @@ def generate(
                 timings={
                     "prefill": ttft - session.compress_seconds,
                     "compress": session.compress_seconds,
+                    "lookahead": session.lookahead_seconds,
+                    "reselect": session.reselect_seconds,
                     "decode": decode_time,
                     "decode_trim": session.decode_seconds,
                 },
@@ -485,6 +526,8 @@ def compress(
     session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
     cache = BudgetCache(model.config.num_hidden_layers, session)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    forward_last_logits(model, input_ids, attention_mask, positions, cache)
+    inputs = PrefillInputs(input_ids, attention_mask, positions, input_ids.shape[1])
+    logits = prefill_compressed_part(model, inputs, cache)
+    run_lookahead(model, inputs, cache, logits)
     session.phase = "decode"
     return cache

@@ -78,6 +78,12 @@ class Observation:
             self._memo[key] = self._probs(self.query[:, :, -w:], self.keys.shape[2])
         return self._memo[key]
 
+    def window_keys(self, window: int) -> int:
+        """How many trailing keys are the observation window's own tokens (the columns a window
+        scorer leaves out of its candidates): ``min(window, q)``. A lookahead observation, whose
+        rows include queries of tokens that are not in the cache, overrides it."""
+        return min(window, self.query.shape[2])
+
     def last_row_probs(self) -> torch.Tensor:
         """Attention of the last query: ``[b, q_heads, n]`` (fp32)."""
         return self.window_probs(1)[:, :, 0]

@@ -47,8 +47,8 @@ def window_scores(
     (``mean``/``max``), then pooled along the keys. Returns ``[b, kv_heads, n]``; the window's own
     columns are 0 (the selector keeps them anyway).
     """
-    probs = obs.window_probs(window)  # [b, hq, w, n]
-    w = probs.shape[2]
+    probs = obs.window_probs(window)  # [b, hq, rows, n]
+    w = obs.window_keys(window)
     rows = probs.sum(2) if reduce_rows == "sum" else probs.mean(2)
     per_head = reduce_group(rows, obs.num_kv_heads, reduce_heads)
     n = per_head.shape[-1]

@@ -6,6 +6,11 @@ attention, so peak memory stays near one full layer plus the compressed rest; po
 only record each layer and compress all of them after the last one), ``"decode"``
 (decode-stage methods trim each layer back to budget after every step), ``"record"`` (keep each
 layer's queries and compress nothing: the shared prefill of :mod:`kvbudget.snapshot`) or ``"off"``.
+
+Lookahead methods (``"lookahead"`` in ``Method.stages``, :mod:`kvbudget.methods.lookahead`)
+compress nothing during the prefill; the session keeps the last ``method.queries_to_record()``
+post-RoPE queries of every layer for them, and the engine calls ``method.run_lookahead`` once the
+prefill is done.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ class CompressionSession:
             layers are compressed; an uncompressed row keeps its whole length).
         row_budgets: per batch row, the resolved budget in entries per head.
         targets: per batch row, the budget for the prefill (``None`` = the prompt fits, keep it).
-        compress_seconds: time spent scoring and selecting during the prefill.
+        compress_seconds: time spent compressing the prompt (scoring and selecting during the
+            prefill, plus a lookahead method's lookahead and re-selection).
+        lookahead_seconds, reselect_seconds: a lookahead method's lookahead (clone, compress,
+            pseudo decoding) and re-selection time (both included in ``compress_seconds``).
         decode_seconds: time spent trimming during decoding.
+        recorded_queries: per layer, post-RoPE queries ``[b, q_heads, m, d]`` (all of them in
+            ``"record"`` phase; the last ``method.queries_to_record()`` in ``"prefill"`` phase).
     """
 
     def __init__(
@@ -53,6 +63,8 @@ class CompressionSession:
         self.targets: list[int | None] | None = None
         self.compress_seconds = 0.0
         self.decode_seconds = 0.0
+        self.lookahead_seconds = 0.0
+        self.reselect_seconds = 0.0
         self.recorded_queries: dict[int, torch.Tensor] = {}
         self.scaling: float | None = None
 
@@ -85,6 +97,10 @@ class CompressionSession:
             self.scaling = scaling
         elif self.phase == "prefill":
             start = time.perf_counter()
+            keep_queries = self.method.queries_to_record()
+            if keep_queries:
+                self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]
+                self.scaling = scaling
             if "prefill" in stages:
                 obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
                 if self.targets is None:

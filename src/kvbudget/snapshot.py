@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache, BudgetLayer
-from kvbudget.engine import PrefillInputs, append_uncompressed, prefill_compressed_part
+from kvbudget.engine import PrefillInputs, append_uncompressed, prefill_compressed_part, run_lookahead
 from kvbudget.methods.base import Method
 from kvbudget.methods.full import FullCache
 from kvbudget.session import CompressionSession
@@ -63,7 +63,7 @@ def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs) -> Snapshot:
     return Snapshot(inputs, cache, recorder.recorded_queries, recorder.scaling, logits, seconds)
 
 
-def _shallow_copy(source: BudgetLayer) -> BudgetLayer:
+def shallow_copy(source: BudgetLayer) -> BudgetLayer:
     """A layer sharing ``source``'s tensors (compression never edits tensors in place)."""
     layer = BudgetLayer()
     layer.__dict__.update(source.__dict__)
@@ -78,8 +78,13 @@ def derive(
     method: Method,
     budget: int | None = None,
     ratio: float | None = None,
+    eos: set[int] | None = None,
 ) -> tuple[BudgetCache, torch.Tensor]:
     """The cache ``method`` would have built during the prefill, from ``snapshot``.
+
+    Post-prefill methods (the lookahead) then run on the derived full cache exactly as after a
+    layer-wise prefill; ``eos`` (default: the model's) ends their lookahead — pass the same set as
+    the layer-wise run (``generate`` uses the model's and the tokenizer's).
 
     Returns the compressed cache (its session in decode phase; for question-agnostic snapshots
     the question has been appended uncompressed) and the last-position logits to decode from.
@@ -89,12 +94,13 @@ def derive(
     session = CompressionSession(method, num_layers, budget=budget, ratio=ratio)
     cache = BudgetCache(num_layers, session)
     cache.attention_attached = True
-    cache.layers = [_shallow_copy(layer) for layer in snapshot.cache.layers]
+    cache.layers = [shallow_copy(layer) for layer in snapshot.cache.layers]
     session.phase = "prefill"
     for layer_idx, layer in enumerate(cache.layers):
         session.after_attention(layer_idx, snapshot.queries[layer_idx], layer, snapshot.scaling, cache.layers)
         for noted in range(layer_idx + 1) if method.edits_earlier_layers else (layer_idx,):
             cache.note_memory(noted)  # a cascading or post-prefill method also edited earlier layers
+    run_lookahead(model, snapshot.inputs, cache, snapshot.logits, eos)
     logits = append_uncompressed(model, snapshot.inputs, cache)
     session.phase = "decode"
     return cache, snapshot.logits if logits is None else logits

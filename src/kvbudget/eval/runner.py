@@ -102,6 +102,8 @@ class RunOutcome:
     stats: dict[str, Any]
     budgets: list[list[int]]
     draft_accepted: int = 0
+    lookahead_s: float = 0.0  # lookahead methods: parts of compress_s
+    reselect_s: float = 0.0
 
 
 class Runner:
@@ -228,12 +230,12 @@ class Runner:
         budget = budget if budget is not None else len(prompt.ids)
         start = time.perf_counter()
         if snapshot is not None:
-            cache, logits = derive(self.model, snapshot, method, budget=budget)
+            cache, logits = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
             prefill_s = snapshot.seconds
         else:
             session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
             cache, logits, _, _ = kvbudget.engine.prefill(
-                self.model, [prompt], session, self.pad_id, self.config.compress_context_only
+                self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
             )
             prefill_s = time.perf_counter() - start - session.compress_seconds
         setup_s = time.perf_counter() - start
@@ -274,6 +276,8 @@ class Runner:
             stats=stats.as_dict(),
             budgets=budgets,
             draft_accepted=accepted,
+            lookahead_s=cache.session.lookahead_seconds,
+            reselect_s=cache.session.reselect_seconds,
         )
 
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, bar) -> None:
@@ -337,6 +341,8 @@ class Runner:
             ttft_s=outcome.ttft_s,
             prefill_s=outcome.prefill_s,
             compress_s=outcome.compress_s,
+            lookahead_s=outcome.lookahead_s,
+            reselect_s=outcome.reselect_s,
             tpot_s=None if math.isnan(outcome.tpot_s) else outcome.tpot_s,
             draft_accepted=outcome.draft_accepted,
             logical_bytes=outcome.stats["logical_bytes"],

@@ -9,7 +9,8 @@ override the parts that differ:
 * :meth:`Method.window_for` / ``sinks`` — what the selector always keeps.
 
 :meth:`Method.compress` runs them on one layer; decode-stage methods also implement
-:meth:`Method.decode_step`.
+:meth:`Method.decode_step`; post-prefill methods (D2O) :meth:`Method.record` and
+:meth:`Method.post_prefill`; lookahead methods (LAQ) :meth:`Method.run_lookahead`.
 """
 
 from __future__ import annotations
@@ -175,6 +176,31 @@ class Method:
         :meth:`compress`. The prefill holds the full cache until then (as the methods' papers do).
         """
         raise NotImplementedError(f"{self.name} has no post-prefill stage")
+
+    def queries_to_record(self) -> int:
+        """Post-RoPE queries per layer (the prompt's last ones) the session keeps during the prefill
+        for :meth:`run_lookahead` (0 = none)."""
+        return 0
+
+    def run_lookahead(
+        self,
+        model: Any,
+        cache: Any,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        last_pos: torch.Tensor,
+        eos: set[int],
+    ) -> None:
+        """Lookahead methods: compress ``cache`` once the compressed part is prefilled.
+
+        Args:
+            model: the model (attached); cache: the full :class:`~kvbudget.cache.BudgetCache`,
+                its session holding the resolved targets and the recorded queries.
+            logits: ``[b, vocab]`` last-position logits of the prefilled part.
+            mask: ``[b, T]`` its padding mask; last_pos: ``[b]`` position of each row's last token.
+            eos: token ids that end an answer.
+        """
+        raise NotImplementedError(f"{self.name} has no lookahead stage")
 
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods)."""

@@ -78,8 +78,8 @@ class CAKE(LayerwiseMethod):
                 raise UnknownMethodError(f"cake: {name} must be > 0, got {getattr(self, name)}")
 
     def score(self, obs: Observation) -> torch.Tensor:
-        probs = obs.window_probs(self.window)  # [b, hq, w, n]
-        w, n = probs.shape[2], probs.shape[3]
+        probs = obs.window_probs(self.window)  # [b, hq, rows, n]
+        w, n = obs.window_keys(self.window), probs.shape[3]
         stat = probs.mean(2) + self.gamma * probs.var(2, unbiased=True)
         pooled = torch.zeros_like(stat)
         pooled[..., : n - w] = pool_keys(stat[..., : n - w], self.kernel, self.pooling)

@@ -79,8 +79,8 @@ class LAVa(LayerwiseMethod):
             raise UnknownMethodError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
 
     def score(self, obs: Observation) -> torch.Tensor:
-        probs = obs.window_probs(self.window)  # [b, hq, w, n]
-        w, n = probs.shape[2], probs.shape[3]
+        probs = obs.window_probs(self.window)  # [b, hq, rows, n]
+        w, n = obs.window_keys(self.window), probs.shape[3]
         rows = probs.mean(2)
         pooled = torch.zeros_like(rows)
         pooled[..., : n - w] = pool_keys(rows[..., : n - w], self.kernel, self.pooling)

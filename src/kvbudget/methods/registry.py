@@ -17,6 +17,7 @@ from kvbudget.methods.full import FullCache
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
+from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.snapkv import SnapKV
@@ -51,6 +52,10 @@ REGISTRY: dict[str, type[Method]] = {
         SqueezeAttention,
         BaKlaVa,
         BaKlaVaSnapKV,
+        LAQ,
+        LAQPlusPlus,
+        LAQAda,
+        LAQLava,
     )
 }
 

@@ -1,0 +1,375 @@
+"""Lookahead Q-Cache: select the prompt's entries with the queries of a cheap pseudo answer.
+
+LAQ (Wang et al., "Lookahead Q-Cache: Achieving More Consistent KV Cache Eviction via Pseudo
+Query", §4, Eq. 4–5) prefills with the full cache, then *looks ahead*: it clones the cache,
+compresses the clone with a cheap method (SnapKV at the main budget by default), greedily decodes
+``n`` pseudo answer tokens on the clone from the first real output token (argmax of the full-cache
+logits), and keeps each layer's post-RoPE query of every pseudo token. Those queries — alone
+(``laq``, Eq. 4) or after the last ``w2`` prompt queries (``laq++``, Eq. 5) — are the observation
+window that re-scores the **full** cache; each layer keeps its top ``B − w2`` entries plus the
+last ``w2`` prompt tokens. The clone and the pseudo tokens are then dropped and decoding starts
+for real from the first output token at the true position after the prompt.
+
+The lookahead queries are an observation window like any other: :class:`LookaheadObservation`
+serves them through :meth:`~kvbudget.observation.Observation.window_probs`, so any window scorer
+and allocator runs on them unchanged — ``laq-ada`` (AdaKV head budgets) and ``laq-lava`` (LAVa
+scores with its cascading layer and head budgets) are registered.
+
+The engine calls :meth:`LookaheadMixin.run_lookahead` right after the prefill (and
+:func:`kvbudget.snapshot.derive` after deriving a full cache from a shared prefill, so the
+evaluation runner's shared-prefill path gives the same cache as a layer-wise run).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvbudget.cache import BudgetCache
+from kvbudget.errors import BudgetError, UnknownMethodError
+from kvbudget.methods.ada_snapkv import AdaSnapKV
+from kvbudget.methods.base import Method
+from kvbudget.methods.lava import LAVa
+from kvbudget.methods.snapkv import SnapKV
+from kvbudget.observation import Observation
+from kvbudget.session import CompressionSession
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+#: methods that may compress the lookahead clone (they need at most the prompt's last queries)
+LOOKAHEAD_METHODS = ("snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "streamingllm", "full")
+#: of those, the ones whose observation window ``lookahead_window`` sets
+WINDOWED_LOOKAHEAD = ("snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv")
+
+
+@dataclass
+class LookaheadObservation(Observation):
+    """A prompt layer's full cache observed by the window queries and the lookahead queries.
+
+    Attributes:
+        query: ``[b, q_heads, w2, d]`` post-RoPE queries of the last ``w2`` prompt tokens (may be
+            empty), the tokens of the layer's last ``w2`` entries.
+        pseudo_query: ``[b, q_heads, m, d]`` post-RoPE queries of the ``m`` pseudo tokens.
+        pseudo_valid: ``[b, m]`` bool, False for steps after a row's lookahead stopped at EOS.
+    """
+
+    pseudo_query: torch.Tensor | None = None
+    pseudo_valid: torch.Tensor | None = None
+
+    def window_keys(self, window: int) -> int:
+        """Only the ``w2`` window queries are tokens of the cache; pseudo tokens are not."""
+        return self.query.shape[2]
+
+    def window_probs(self, window: int) -> torch.Tensor:
+        """Observation rows over all of the layer's keys: ``[b, q_heads, w2 + m, n]`` (fp32).
+
+        The ``w2`` window rows are causal inside the bottom-right ``w2 × w2`` block (as any
+        window); the ``m`` pseudo rows see **every** valid prompt key — the authors' code applies
+        one causal mask to the whole ``w2 + m`` block, hiding the last prompt keys from the
+        pseudo queries; we do not reproduce that bug. The softmax runs over the prompt's keys
+        only (pseudo keys were never in this cache). Rows of steps after EOS are 0. ``window``
+        is ignored: the rows are fixed by the lookahead.
+        """
+        if "lookahead" not in self._memo:
+            n = self.keys.shape[2]
+            rows = [self._probs(self.query, n)] if self.query.shape[2] else []
+            if self.pseudo_query is not None and self.pseudo_query.shape[2]:
+                rows.append(self._pseudo_probs())
+            if not rows:
+                rows.append(self.query.new_zeros((*self.query.shape[:2], 0, n), dtype=torch.float32))
+            self._memo["lookahead"] = torch.cat(rows, dim=2)
+        return self._memo["lookahead"]
+
+    def _pseudo_probs(self) -> torch.Tensor:
+        keys = self.keys.repeat_interleave(self.group_size, dim=1).float()
+        logits = torch.matmul(self.pseudo_query.float(), keys.transpose(-1, -2)) * self.scaling
+        visible = self.valid.repeat_interleave(self.group_size, dim=1)[:, :, None, :]  # [b, hq, 1, n]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        if self.pseudo_valid is not None:
+            probs = probs * self.pseudo_valid[:, None, :, None].to(probs.device, probs.dtype)
+        return probs
+
+
+class QueryCapture(CompressionSession):
+    """The lookahead clone's session: compresses like any session and, while ``capturing``,
+    appends each layer's post-RoPE queries to ``captured[layer]``."""
+
+    def __init__(self, method: Method, num_layers: int, budget: int | None, ratio: float | None):
+        super().__init__(method, num_layers, budget=budget, ratio=ratio)
+        self.capturing = False
+        self.captured: dict[int, list[torch.Tensor]] = {i: [] for i in range(num_layers)}
+
+    def after_attention(self, layer_idx: int, query: torch.Tensor, layer: Any, scaling: float, layers=None):
+        if self.capturing:
+            self.captured[layer_idx].append(query)
+        super().after_attention(layer_idx, query, layer, scaling, layers)
+
+
+@dataclass
+class Lookahead:
+    """What one lookahead produced (kept on the method as ``last_lookahead`` for inspection).
+
+    Attributes:
+        tokens: ``[b, m]`` the pseudo tokens fed to the clone (the first is the first real output token).
+        positions: ``[b, m]`` their RoPE positions (right after each row's prompt).
+        valid: ``[b, m]`` bool, False once a row's lookahead stopped at EOS.
+        queries: per layer, ``[b, q_heads, m, d]`` post-RoPE queries of the pseudo tokens.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    queries: dict[int, torch.Tensor]
+
+
+@dataclass
+class LookaheadMixin:
+    """The lookahead stage; combined with a window method (scorer + allocator) it makes LAQ.
+
+    Args:
+        steps: pseudo tokens decoded (default 8, the paper's); stops early at EOS.
+        lookahead_method: the cheap method compressing the clone (``snapkv``; one of
+            :data:`LOOKAHEAD_METHODS`; ``full`` decodes on the uncompressed clone).
+        lookahead_budget: the clone's budget in entries per head (0 = the main budget or ratio).
+        lookahead_window: observation window of a windowed lookahead method (32, SnapKV's).
+    """
+
+    stages: ClassVar[tuple[str, ...]] = ("lookahead",)
+
+    steps: int = 8
+    lookahead_method: str = "snapkv"
+    lookahead_budget: int = 0
+    lookahead_window: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("steps", "lookahead_budget", "lookahead_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UnknownMethodError(f"{self.name}: option {name} must be an integer ≥ 0, got {value!r}")
+        if self.lookahead_method not in LOOKAHEAD_METHODS:
+            raise UnknownMethodError(
+                f"{self.name}: lookahead_method must be one of {', '.join(LOOKAHEAD_METHODS)}, "
+                f"got {self.lookahead_method!r}"
+            )
+        if self.steps == 0 and self.window == 0:
+            raise UnknownMethodError(
+                f"{self.name}: steps=0 with window=0 leaves no observation queries; "
+                "give steps ≥ 1 or a window"
+            )
+        self.lookahead()  # the clone's method validates its own options now, not mid-run
+
+    def lookahead(self) -> Method:
+        """A fresh object of the clone's method."""
+        from kvbudget.methods.registry import make_method  # the registry imports this module
+
+        options = {"window": self.lookahead_window} if self.lookahead_method in WINDOWED_LOOKAHEAD else {}
+        return make_method(self.lookahead_method, **options)
+
+    def min_budget(self) -> int:
+        own = super().min_budget()
+        return own if self.lookahead_budget else max(own, self.lookahead().min_budget())
+
+    def check_budget(self, budget: int) -> None:
+        own = super().min_budget()
+        if budget < own:
+            raise BudgetError(
+                f"budget must be ≥ {own} for {self.name} "
+                f"(window {self.window} + sinks {self.sinks} + 1), got {budget}"
+            )
+        look = self.lookahead()
+        clone_budget = self.lookahead_budget or budget
+        if clone_budget < look.min_budget():
+            raise BudgetError(
+                f"{self.name}: the lookahead clone's budget {clone_budget} is below the {look.min_budget()} "
+                f"entries {self.lookahead_method} needs (window {look.window} + sinks {look.sinks} + 1); "
+                f"raise the budget, set lookahead_budget, or a smaller lookahead_window"
+            )
+
+    def queries_to_record(self) -> int:
+        """The prompt's last queries needed: the stage-2 window and the clone method's window."""
+        look = self.lookahead()
+        return max(1, self.window, look.window if self.lookahead_method in WINDOWED_LOOKAHEAD else 0)
+
+    # ------------------------------------------------------------------ the stage
+    @torch.inference_mode()
+    def run_lookahead(
+        self,
+        model: PreTrainedModel,
+        cache: BudgetCache,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        last_pos: torch.Tensor,
+        eos: set[int],
+    ) -> None:
+        """Look ahead on a compressed clone, then re-select ``cache`` with the pseudo queries."""
+        session = cache.session
+        if all(t is None for t in session.targets):  # every prompt fits its budget: nothing to do
+            session.recorded_queries.clear()
+            return
+        start = time.perf_counter()
+        record = self.look_ahead(model, cache, logits, mask, last_pos, eos)
+        middle = time.perf_counter()
+        self.reselect(cache, record)
+        end = time.perf_counter()
+        session.lookahead_seconds += middle - start
+        session.reselect_seconds += end - middle
+        session.compress_seconds += end - start
+        self.__dict__["last_lookahead"] = record
+
+    def look_ahead(
+        self,
+        model: PreTrainedModel,
+        cache: BudgetCache,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        last_pos: torch.Tensor,
+        eos: set[int],
+    ) -> Lookahead:
+        """Clone ``cache`` (sharing its tensors), compress the clone, greedily decode the pseudo tokens.
+
+        ``logits: [b, vocab]`` of the prompt's last token give the first pseudo token; ``mask:
+        [b, T]`` and ``last_pos: [b]`` are the prompt's padding mask and last positions. A row
+        stops before feeding an EOS token; decoding stops when every row has.
+        """
+        from kvbudget.snapshot import shallow_copy  # snapshot imports the engine, which imports us
+
+        session = cache.session
+        num_layers = len(cache.layers)
+        if self.lookahead_budget:
+            budget, ratio = self.lookahead_budget, None
+        else:
+            budget, ratio = session.budget, session.ratio
+        capture = QueryCapture(self.lookahead(), num_layers, budget=budget, ratio=ratio)
+        clone = BudgetCache(num_layers, capture)
+        clone.attention_attached = True
+        clone.layers = [shallow_copy(layer) for layer in cache.layers]
+        for layer_idx, layer in enumerate(clone.layers):  # compress the clone as its prefill would have
+            capture.after_attention(
+                layer_idx, session.recorded_queries[layer_idx], layer, session.scaling, clone.layers
+            )
+        capture.phase, capture.capturing = "decode", True
+        device = logits.device
+        stop = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+        token = logits.argmax(-1)
+        active = torch.ones_like(token, dtype=torch.bool)
+        tokens, positions, valid = [], [], []
+        for _ in range(self.steps):
+            active = active & ~torch.isin(token, stop)
+            if not bool(active.any()):
+                break
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            last_pos = last_pos + 1
+            tokens.append(token)
+            positions.append(last_pos)
+            valid.append(active)
+            out = model(
+                input_ids=token[:, None].to(model.device), attention_mask=mask.to(model.device),
+                position_ids=last_pos[:, None].to(model.device), past_key_values=clone, use_cache=True,
+                logits_to_keep=1,
+            )  # fmt: skip
+            token = out.logits[:, -1].argmax(-1).to(device)
+        b = token.shape[0]
+
+        def stacked(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.stack(parts, 1) if parts else torch.zeros((b, 0), dtype=dtype)
+
+        queries = {
+            i: torch.cat(q, dim=2) if q else session.recorded_queries[i][:, :, :0]
+            for i, q in capture.captured.items()
+        }
+        return Lookahead(
+            stacked(tokens, torch.long), stacked(positions, torch.long), stacked(valid, torch.bool), queries
+        )
+
+    def reselect(self, cache: BudgetCache, record: Lookahead) -> None:
+        """Compress every layer of the full ``cache`` observed by the window + pseudo queries.
+
+        Runs this method's own compression (scorer, allocators, selector; cascading re-eviction
+        for cascading bases) layer by layer, as its prefill would, then drops the recorded queries.
+        """
+        session = cache.session
+        num_layers = len(cache.layers)
+        for layer_idx, layer in enumerate(cache.layers):
+            recorded = session.recorded_queries[layer_idx]
+            w2 = min(self.window, recorded.shape[2])
+            obs = LookaheadObservation(
+                layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
+                pseudo_query=record.queries[layer_idx], pseudo_valid=record.valid,
+            )  # fmt: skip
+            session.budgets[:, layer_idx] = self.compress(obs, session.targets)
+            if self.cascading:
+                self.rebalance(cache.layers[: layer_idx + 1], session.targets)
+                for earlier in range(layer_idx):
+                    session.budgets[:, earlier] = cache.layers[earlier].head_lengths().cpu()
+            for noted in range(layer_idx + 1) if self.cascading else (layer_idx,):
+                cache.note_memory(noted)
+        session.recorded_queries.clear()
+
+
+@dataclass
+class LAQ(LookaheadMixin, SnapKV):
+    """LAQ: the pseudo queries alone are the observation window (Eq. 4); no window is protected.
+
+    Score (SnapKV's form): the attention of the ``n`` pseudo queries over all prompt keys (softmax
+    over the prompt's keys, fp32), summed over the pseudo rows, averaged over each GQA group,
+    max-pooled (kernel 7) along the keys; each head keeps its top ``B``. Uniform budgets.
+
+    Differences from the authors' code (noforit/Lookahead_Q-Cache): the pseudo queries see every
+    prompt key (the code's causal mask over the last ``w2 + n`` keys hides the last prompt keys
+    from them — a bug); a row whose first token is EOS has no pseudo query, scores 0 everywhere
+    and keeps its earliest entries (its answer is empty anyway). In a batch, rows that stopped at
+    EOS earlier get zero rows; scorers that average rows (``laq-ada``, ``laq-lava``) then divide
+    by the batch's row count — a constant per row that does not change its ranking.
+
+    Reference: Wang et al., "Lookahead Q-Cache: Achieving More Consistent KV Cache Eviction via
+    Pseudo Query", EMNLP 2025 (arXiv:2505.20334), §4.
+
+    Args:
+        window: stage-2 window ``w2`` — the last prompt queries joining the observation and the
+            last prompt tokens always kept (0 for ``laq``, 8 for ``laq++``).
+        kernel, pooling, reduce_rows, reduce_heads: SnapKV's scoring options (7, max, sum, mean).
+        steps, lookahead_method, lookahead_budget, lookahead_window: see :class:`LookaheadMixin`.
+    """
+
+    name: ClassVar[str] = "laq"
+    paper: ClassVar[str] = "arXiv:2505.20334"
+    window: int = 0
+
+
+@dataclass
+class LAQPlusPlus(LAQ):
+    """LAQ++: the last 8 prompt queries plus the pseudo queries are the observation window
+    (Eq. 5); the last 8 prompt tokens are always kept. Otherwise as :class:`LAQ`."""
+
+    name: ClassVar[str] = "laq++"
+    window: int = 8
+
+
+@dataclass
+class LAQAda(LookaheadMixin, AdaSnapKV):
+    """LAQ with AdaKV's head-adaptive budgets: the laq++ observation (last 8 prompt queries + the
+    pseudo queries, rows averaged) scores the entries, and one top-``H·(B − w2)`` over the
+    layer's heads decides each head's budget (floor α = 0.2); the last 8 tokens are kept.
+    Options as :class:`~kvbudget.methods.ada_snapkv.AdaSnapKV` and :class:`LookaheadMixin`."""
+
+    name: ClassVar[str] = "laq-ada"
+    paper: ClassVar[str] = "arXiv:2505.20334"
+    window: int = 8
+
+
+@dataclass
+class LAQLava(LookaheadMixin, LAVa):
+    """LAQ with LAVa's score and budgets: the laq++ observation (last 8 prompt queries + the pseudo
+    queries) replaces LAVa's window in Eq. 6; LAVa's flattened head budgets and cascading entropy
+    layer budgets (run over the layers in order after the lookahead) decide what each head keeps;
+    the last 8 tokens are kept. Options as :class:`~kvbudget.methods.lava.LAVa` and
+    :class:`LookaheadMixin`."""
+
+    name: ClassVar[str] = "laq-lava"
+    paper: ClassVar[str] = "arXiv:2505.20334"
+    window: int = 8

@@ -1,0 +1,363 @@
+"""Lookahead Q-Cache (laq, laq++, laq-ada, laq-lava): capture, re-selection, positions, equivalences.
+
+Tiny random models (no download). The references are independent of kvbudget's lookahead code:
+pseudo queries recomputed from each attention module's input with ``q_proj`` and the model's own
+rotary embedding at positions counted here; pseudo tokens re-decoded on a SnapKV cache built by
+``kvbudget.compress``; kept sets recomputed with explicit float64 loops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import kvbudget
+from conftest import tiny_model
+from kvbudget.engine import build_prompt, prefill, prefill_inputs
+from kvbudget.errors import BudgetError, UnknownMethodError
+from kvbudget.methods.lookahead import LookaheadObservation
+from kvbudget.methods.registry import make_method
+from kvbudget.session import CompressionSession
+from test_reference_selection import (
+    BUDGET,
+    HQ,
+    LAYERS,
+    SCALE,
+    Choice,
+    D,
+    Fixture,
+    G,
+    H,
+    N,
+    assert_layer_holds,
+    attention_row,
+    pool,
+    top_k,
+)
+
+CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
+QUESTION = "What does the fox do?"
+PROMPT_IDS = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(11))
+
+
+def _options(**extra):
+    return {"kernel": 3, "lookahead_window": 4, "steps": 4, **extra}
+
+
+# ---------------------------------------------------------------------------------- must-show 1
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_captured_pseudo_queries_are_q_proj_plus_rope_at_the_true_positions(kind):
+    model = tiny_model(kind)
+    inputs: list[torch.Tensor] = []  # each attention module's input, in call order
+
+    def grab(module, args, kwargs):
+        if kwargs["hidden_states"].shape[1] == 1:  # the lookahead's one-token forwards
+            inputs.append((module.layer_idx, kwargs["hidden_states"].detach().clone()))
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers
+    ]
+    method = make_method("laq", **_options())
+    try:
+        kvbudget.compress(model, PROMPT_IDS, method=method, budget=24)
+    finally:
+        for handle in handles:
+            handle.remove()
+    record = method.last_lookahead
+    length, steps, layers = PROMPT_IDS.shape[1], record.tokens.shape[1], model.config.num_hidden_layers
+    assert steps == 4 and record.valid.all()
+    assert record.positions[0].tolist() == list(range(length, length + steps))
+    assert len(inputs) == steps * layers
+    with torch.inference_mode():
+        _assert_queries_recomputed(model, inputs, record, length, steps, layers)
+
+
+def _assert_queries_recomputed(model, inputs, record, length: int, steps: int, layers: int) -> None:
+    for step in range(steps):
+        position = torch.tensor([[length + step]])
+        for layer_idx in range(layers):
+            idx, hidden = inputs[step * layers + layer_idx]
+            assert idx == layer_idx
+            attn = model.model.layers[layer_idx].self_attn
+            q = attn.q_proj(hidden).view(1, 1, -1, attn.head_dim).transpose(1, 2)  # [1, hq, 1, d]
+            cos, sin = model.model.rotary_emb(hidden, position)
+            expected, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            got = record.queries[layer_idx][:, :, step : step + 1]
+            assert torch.allclose(got, expected, atol=1e-5), (step, layer_idx, (got - expected).abs().max())
+
+
+def test_pseudo_tokens_are_the_greedy_answer_of_the_snapkv_clone(llama):
+    method = make_method("laq++", **_options())
+    kvbudget.compress(llama, PROMPT_IDS, method=method, budget=24)
+    record = method.last_lookahead
+    # the clone, built independently: SnapKV (window 4) at the main budget, then greedy decoding
+    clone = kvbudget.compress(llama, PROMPT_IDS, method=make_method("snapkv", window=4), budget=24)
+    with torch.no_grad():
+        full_logits = llama(PROMPT_IDS).logits[:, -1]
+        token, tokens = full_logits.argmax(-1, keepdim=True), []
+        for _ in range(4):
+            tokens.append(int(token))
+            token = llama(token, past_key_values=clone).logits[:, -1].argmax(-1, keepdim=True)
+    assert record.tokens[0].tolist() == tokens
+
+
+def test_lookahead_stops_at_eos(chat_tokenizer):
+    model = tiny_model("llama")
+    prompt = build_prompt(chat_tokenizer, CONTEXT, QUESTION)
+    method = make_method("laq", **_options(steps=6))
+    session = CompressionSession(method, model.config.num_hidden_layers, budget=30)
+    prefill(model, [prompt], session, chat_tokenizer.pad_token_id)
+    free = method.last_lookahead.tokens[0].tolist()
+    assert len(free) == 6
+    stop_at = next(i for i in range(1, 6) if free[i] not in free[:i])  # first step whose token is new
+    method = make_method("laq", **_options(steps=6))
+    session = CompressionSession(method, model.config.num_hidden_layers, budget=30)
+    prefill(model, [prompt], session, chat_tokenizer.pad_token_id, eos={free[stop_at]})
+    record = method.last_lookahead
+    assert record.tokens[0].tolist() == free[:stop_at]  # the EOS token is never fed
+    assert record.queries[0].shape[2] == stop_at
+
+
+# ---------------------------------------------------------------------------------- must-show 2
+def _masked_reference(kept: dict[int, list[torch.Tensor]]):
+    """Eager attention over the full sequence; the LAST query sees only the kept keys (and itself)."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        logits = query.float() @ key.repeat_interleave(group, 1).float().transpose(-1, -2) * scaling
+        n = key.shape[2]
+        allowed = torch.ones(query.shape[2], n, dtype=torch.bool).tril(n - query.shape[2])
+        allowed = allowed.expand(query.shape[1], -1, -1).clone()
+        for h in range(key.shape[1]):
+            row = torch.zeros(n, dtype=torch.bool)
+            row[kept[module.layer_idx][h]] = True
+            row[n - 1] = True
+            allowed[h * group : (h + 1) * group, -1] = row
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        out = probs @ value.repeat_interleave(group, 1).float()
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+@pytest.mark.parametrize("name", ["laq", "laq++"])
+def test_final_cache_holds_the_budget_and_no_pseudo_token_and_decodes_at_the_true_position(name):
+    model = tiny_model("qwen2")
+    budget, length = 24, PROMPT_IDS.shape[1]
+    method = make_method(name, **_options())
+    cache = kvbudget.compress(model, PROMPT_IDS, method=method, budget=budget)
+    assert method.last_lookahead.tokens.shape[1] == 4  # the lookahead ran
+    assert cache.get_seq_length() == length  # the pseudo tokens were never appended here
+    stats = cache.stats()
+    assert stats.entries.eq(budget).all()
+    kept = {}
+    for i, layer in enumerate(cache.layers):
+        assert layer.seen == length
+        heads = []
+        for h in range(layer.num_heads):
+            positions = layer.head(h)[2][0]
+            assert positions.min() >= 0 and positions.max() < length  # prompt entries only
+            assert positions.unique().numel() == budget
+            if name == "laq++":  # the stage-2 window: the last w2 = 8 prompt tokens are kept
+                assert set(range(length - 8, length)) <= set(positions.tolist())
+            heads.append(positions)
+        kept[i] = heads
+    # the first real token: from the full-cache logits, decoded at position `length`
+    first = method.last_lookahead.tokens[:, :1]
+    with torch.no_grad():
+        logits = model(first, past_key_values=cache).logits[0, -1]
+        kvbudget.detach(model)
+        AttentionInterface.register("laq_reference", _masked_reference(kept))
+        model.set_attn_implementation("laq_reference")
+        reference = model(torch.cat([PROMPT_IDS, first], 1)).logits[0, -1]  # positions 0..length
+        model.set_attn_implementation("sdpa")
+    assert torch.allclose(logits, reference, atol=1e-4), (logits - reference).abs().max()
+    assert cache.get_seq_length() == length + 1
+
+
+# ---------------------------------------------------------------------------------- must-show 3
+@pytest.mark.parametrize(
+    ("name", "base", "extra"),
+    [("laq++", "snapkv", {}), ("laq-ada", "ada-snapkv", {}), ("laq-lava", "lava", {})],
+)
+def test_without_lookahead_steps_laq_equals_its_base_method_with_the_same_window(name, base, extra, llama,
+                                                                              chat_tokenizer):
+    """n = 0 and a lookahead budget covering the prompt: the observation is the last 8 prompt
+    queries, so laq++ is SnapKV with window 8 (and laq-ada Ada-SnapKV, laq-lava LAVa)."""
+    common = {"window": 8, "kernel": 7}
+    laq = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXT, QUESTION, budget=40, max_new_tokens=12, return_cache=True,
+        method=make_method(name, steps=0, lookahead_budget=10_000, **common, **extra),
+    )  # fmt: skip
+    ref = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXT, QUESTION, budget=40, max_new_tokens=12, return_cache=True,
+        method=make_method(base, **common),
+    )  # fmt: skip
+    assert laq.prompt_tokens > 100  # the budget really evicts
+    assert laq.token_ids == ref.token_ids
+    assert torch.equal(laq.budgets, ref.budgets)
+    for la, lb in zip(laq.cache.layers, ref.cache.layers, strict=True):
+        for h in range(la.num_heads):
+            assert torch.equal(la.head(h)[2], lb.head(h)[2])
+            assert torch.equal(la.head(h)[0], lb.head(h)[0])
+
+
+def test_lookahead_changes_the_selection(llama, chat_tokenizer):
+    """The pseudo queries matter: with 8 steps laq++ keeps other entries than without any."""
+    caches = [
+        kvbudget.generate(
+            llama, chat_tokenizer, CONTEXT, QUESTION, budget=40, max_new_tokens=1, return_cache=True,
+            method=make_method("laq++", steps=steps, lookahead_window=8),
+        ).cache
+        for steps in (0, 8)
+    ]  # fmt: skip
+    differ = any(
+        not torch.equal(a.head(h)[2], b.head(h)[2])
+        for a, b in zip(caches[0].layers, caches[1].layers, strict=True)
+        for h in range(a.num_heads)
+    )
+    assert differ
+
+
+# ---------------------------------------------------------------------------------- reference
+def lookahead_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, masked: bool = False):
+    """Eq. 4–5 with SnapKV's reduction, written from METHODS.md: per KV head, the scores of the
+    first ``N − w2`` keys. Window rows are causal; pseudo rows see all ``N`` prompt keys.
+
+    ``masked`` (the authors' bug, only to show the fixture tells it apart): one causal mask over
+    the last ``w2 + m`` keys for the whole ``[window; pseudo]`` block.
+    """
+    q, k = fx.nq, fx.nk
+    m = pseudo.shape[1]
+    out = []
+    for h in range(H):
+        per_query_head = []
+        for qh in range(h * G, (h + 1) * G):
+            rows = [q[qh, i] for i in range(N - w2, N)] + [pseudo[qh, t] for t in range(m)]
+            cols = [0.0] * (N - w2)
+            for r, query in enumerate(rows):
+                if masked:
+                    visible = N - (w2 + m) + r + 1
+                else:
+                    visible = N - w2 + r + 1 if r < w2 else N
+                probs = attention_row(query, k[h], list(range(visible)))
+                for j in range(min(visible, N - w2)):
+                    cols[j] += probs[j]
+            per_query_head.append(cols)
+        reduced = [sum(p[j] for p in per_query_head) / G for j in range(N - w2)]
+        out.append(pool(reduced, kernel, "max"))
+    return out
+
+
+def _keep(scores, w2: int) -> list[Choice]:
+    return [top_k(scores[h], BUDGET - w2) | set(range(N - w2, N)) for h in range(H)]
+
+
+@pytest.mark.parametrize(
+    ("name", "w2", "seed"), [("laq", 0, 11), ("laq", 0, 37), ("laq++", 4, 10), ("laq++", 4, 13)]
+)
+def test_reselection_matches_the_eq4_eq5_reference(name, w2, seed):
+    fx = Fixture.make(seed)
+    m = 3
+    pseudo = 2.0 * torch.randn(1, HQ, m, D, generator=torch.Generator().manual_seed(100 + seed))
+    layer = fx.layer()
+    valid = torch.ones(1, m, dtype=torch.bool)
+    obs = LookaheadObservation(
+        0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo, pseudo_valid=valid
+    )
+    method = make_method(name, window=w2, kernel=3)
+    kept = method.compress(obs, targets=[BUDGET])
+    assert kept[0].tolist() == [BUDGET] * H
+    ref = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3)
+    expected = _keep(ref, w2)
+    assert_layer_holds(layer, expected, fx.nk, fx.nv)
+    lib = method.score(LookaheadObservation(
+        0, LAYERS, fx.q[:, :, N - w2 :], fx.layer(), SCALE, pseudo_query=pseudo,
+        pseudo_valid=torch.ones(1, m, dtype=bool),
+    ))[0, :, : N - w2].double().numpy()  # fmt: skip
+    np.testing.assert_allclose(lib, np.array(ref), rtol=1e-5, atol=1e-7)
+    wrong = _keep(lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3, masked=True), w2)
+    assert any(not x.compatible(y) for x, y in zip(expected, wrong, strict=True)), "bug variant not rejected"
+
+
+def test_pseudo_rows_after_eos_count_for_nothing():
+    fx = Fixture.make(3)
+    pseudo = 2.0 * torch.randn(1, HQ, 3, D, generator=torch.Generator().manual_seed(7))
+    cut = LookaheadObservation(
+        0, LAYERS, fx.q[:, :, N:], fx.layer(), SCALE, pseudo_query=pseudo[:, :, :2],
+        pseudo_valid=torch.ones(1, 2, dtype=bool),
+    )  # fmt: skip
+    padded = LookaheadObservation(
+        0, LAYERS, fx.q[:, :, N:], fx.layer(), SCALE, pseudo_query=pseudo,
+        pseudo_valid=torch.tensor([[True, True, False]]),
+    )  # fmt: skip
+    method = make_method("laq", kernel=3)
+    assert torch.allclose(method.score(cut), method.score(padded))
+
+
+# ---------------------------------------------------------------------------------- plumbing
+def test_timings_split_the_lookahead_and_the_reselection(llama, chat_tokenizer):
+    laq = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXT, QUESTION, method=make_method("laq", **_options()), budget=40,
+        max_new_tokens=4,
+    )  # fmt: skip
+    snap = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXT, QUESTION, method="snapkv", budget=40, max_new_tokens=4
+    )
+    for result in (laq, snap):
+        assert {"prefill", "lookahead", "reselect", "decode"} <= set(result.timings)
+    assert laq.timings["lookahead"] > 0 and laq.timings["reselect"] > 0
+    assert laq.timings["compress"] >= laq.timings["lookahead"] + laq.timings["reselect"]
+    assert snap.timings["lookahead"] == snap.timings["reselect"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"lookahead_method": "h2o"}, "lookahead_method"),
+        ({"steps": 0}, "steps=0"),
+        ({"steps": -1}, "steps"),
+        ({"lookahead_budget": -5}, "lookahead_budget"),
+    ],
+)
+def test_bad_options_are_named(options, match):
+    with pytest.raises(UnknownMethodError, match=match):
+        make_method("laq", **options)
+
+
+def test_lookahead_budget_below_the_clone_method_minimum_is_refused(llama, chat_tokenizer):
+    with pytest.raises(BudgetError, match="snapkv"):
+        kvbudget.generate(llama, chat_tokenizer, CONTEXT, QUESTION, method="laq", budget=20, max_new_tokens=2)
+    with pytest.raises(BudgetError, match="snapkv"):
+        kvbudget.generate(
+            llama, chat_tokenizer, CONTEXT, QUESTION, method=make_method("laq", lookahead_budget=16),
+            budget=40, max_new_tokens=2,
+        )  # fmt: skip
+
+
+def test_question_agnostic_lookahead_runs_before_the_question(chat_tokenizer, llama):
+    prompt = build_prompt(chat_tokenizer, CONTEXT, QUESTION)
+    method = make_method("laq++", **_options())
+    session = CompressionSession(method, llama.config.num_hidden_layers, budget=30)
+    pad = chat_tokenizer.pad_token_id
+    cache, _, _, _ = prefill(llama, [prompt], session, pad, compress_context_only=True)
+    context = len(prompt.context_ids)
+    assert method.last_lookahead.positions[0, 0] == context  # pseudo tokens follow the context
+    assert cache.get_seq_length() == len(prompt.ids)
+    entries = cache.stats().entries
+    assert entries.eq(30 + len(prompt.question_ids)).all()  # the question is appended uncompressed
+    inputs = prefill_inputs([prompt], chat_tokenizer.pad_token_id, compress_context_only=True)
+    assert inputs.compressed_until == context
+
+
+@pytest.mark.parametrize("lookahead_method", ["streamingllm", "full", "ada-pyramidkv"])
+def test_every_lookahead_method_gives_a_budgeted_cache(lookahead_method, llama, chat_tokenizer):
+    method = make_method("laq++", **_options(lookahead_method=lookahead_method))
+    result = kvbudget.generate(
+        llama, chat_tokenizer, CONTEXT, QUESTION, method=method, budget=30, max_new_tokens=3
+    )
+    assert method.last_lookahead.tokens.shape[1] == 4
+    assert result.cache_stats_after.entries.eq(30).all()

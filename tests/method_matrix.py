@@ -22,11 +22,20 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "lava-nohead": {"window": 4, "kernel": 3},
     "lava-pyramid": {"window": 4, "kernel": 3},
     "cake": {"window": 4},
+    # tau > 1 selects at l_min (relative variance 1 there): the tiny tests really prune
+    "asl": {"window": 4, "kernel": 3, "tau": 1.5},
+    "asl-fullkv": {"window": 4, "kernel": 3, "tau": 1.5},
+    "asl-2pass": {"window": 4, "kernel": 3, "tau": 1.5},
+    "fastkv": {"window": 4, "kernel": 3},
+    "gemfilter": {"kernel": 3},
+    "pyramidinfer": {"min_context": 8, "decay": 0.5},
 }
 
 ALL_METHODS = method_names()
 DECODE_METHODS = [name for name in ALL_METHODS if "decode" in make_method(name).stages]
 COMPRESSING_METHODS = [name for name in ALL_METHODS if name != "full"]
+#: prune-stage methods change the prefill forward (deeper layers see only selected tokens)
+PRUNE_METHODS = [name for name in ALL_METHODS if "prune" in make_method(name).stages]
 
 
 def small(name: str) -> Method:

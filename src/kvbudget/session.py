@@ -84,7 +84,7 @@ class CompressionSession:
             self.scaling = scaling
         elif self.phase == "prefill":
             start = time.perf_counter()
-            if "prefill" in stages:
+            if "prefill" in stages or "prune" in stages:
                 obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
                 if self.targets is None:
                     self.resolve(obs.lengths)

@@ -8,12 +8,16 @@ from typing import Any
 from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.ada_pyramidkv import AdaPyramidKV
 from kvbudget.methods.ada_snapkv import AdaSnapKV
+from kvbudget.methods.asl import ASL, ASL2Pass, ASLFullKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.cake import CAKE
+from kvbudget.methods.fastkv import FastKV
 from kvbudget.methods.full import FullCache
+from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
+from kvbudget.methods.pyramidinfer import PyramidInfer
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.snapkv import SnapKV
@@ -40,6 +44,12 @@ REGISTRY: dict[str, type[Method]] = {
         LAVaNoHead,
         LAVaPyramid,
         CAKE,
+        ASL,
+        ASLFullKV,
+        ASL2Pass,
+        FastKV,
+        GemFilter,
+        PyramidInfer,
     )
 }
 

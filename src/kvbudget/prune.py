@@ -56,7 +56,8 @@ def decoder_parts(model: PreTrainedModel) -> DecoderParts:
     if base is None or missing or not hasattr(model, "lm_head"):
         raise UnsupportedModelError(
             f"{type(model).__name__} lacks the Llama-like layout the prune stage runs layer by layer "
-            f"(model.embed_tokens/rotary_emb/layers/norm and lm_head; missing: {', '.join(missing) or 'lm_head'})"
+            "(model.embed_tokens/rotary_emb/layers/norm and lm_head; "
+            f"missing: {', '.join(missing) or 'lm_head'})"
         )
     return DecoderParts(base.embed_tokens, base.rotary_emb, base.layers, base.norm, model.lm_head)
 
@@ -82,7 +83,10 @@ class _Sequence:
             ok[r, width - k.numel() :] = True
         hidden = self.hidden.gather(1, idx[..., None].expand(-1, -1, self.hidden.shape[-1]))
         return _Sequence(
-            hidden, self.rope.gather(1, idx).masked_fill(~ok, 0), self.slots.gather(1, idx).masked_fill(~ok, -1), ok
+            hidden,
+            self.rope.gather(1, idx).masked_fill(~ok, 0),
+            self.slots.gather(1, idx).masked_fill(~ok, -1),
+            ok,
         )
 
 
@@ -177,7 +181,9 @@ def prune_prefill(
     cache = BudgetCache(num_layers, session)
     session.phase = "prefill"
     cut = inputs.compressed_until
-    logits = run_layers(model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method)
+    logits = run_layers(
+        model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method
+    )
     if method.two_pass and method.selected:  # else pass 1 ran every layer on every token: it is the prefill
         inputs = _second_pass_inputs(inputs, method.selected)
         method.begin_second_pass()

@@ -2,7 +2,8 @@
 
 Shared prefill (default): each sample is prefilled once with the full cache
 (:func:`kvbudget.snapshot.take_snapshot`); the full-cache answer, its teacher-forced
-log-probabilities and every (method, budget) cache derive from that snapshot. With
+log-probabilities and every (method, budget) cache derive from that snapshot — except prune-stage
+methods (ASL, FastKV, GemFilter, PyramidInfer), which change the prefill forward and run their own. With
 ``shared=False`` every run prefills on its own (layer-wise compression, as ``generate`` does) —
 the two give bit-identical predictions; the shared one is several times faster.
 
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvbudget
-from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
+from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs, selection_layer
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agreement
 from kvbudget.eval.sample import Sample
@@ -100,6 +101,7 @@ class RunOutcome:
     tpot_s: float
     stats: dict[str, Any]
     budgets: list[list[int]]
+    selection_layer: int | None = None
 
 
 class Runner:
@@ -213,6 +215,8 @@ class Runner:
         teacher: RunOutcome | None,
     ) -> RunOutcome:
         """Generate with one method; with ``teacher``, also its log-probs on the teacher's answer."""
+        if "prune" in method.stages:
+            snapshot = None  # a prune-stage method changes the prefill forward: it runs its own
         inputs = (
             snapshot.inputs
             if snapshot
@@ -223,11 +227,12 @@ class Runner:
         if snapshot is not None:
             cache, logits = derive(self.model, snapshot, method, budget=budget)
             prefill_s = snapshot.seconds
+            mask, last_pos = inputs.mask, inputs.positions[:, -1]
         else:
             session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
-            cache, logits, _, _ = kvbudget.engine.prefill(
+            cache, logits, mask, last_pos = kvbudget.engine.prefill(
                 self.model, [prompt], session, self.pad_id, self.config.compress_context_only
-            )
+            )  # mask/last_pos: what decoding continues from (a two-pass method re-indexes its tokens)
             prefill_s = time.perf_counter() - start - session.compress_seconds
         setup_s = time.perf_counter() - start
         compress_s = cache.session.compress_seconds
@@ -235,16 +240,13 @@ class Runner:
         budgets = cache.session.budgets[0].tolist()
         forced = copy.deepcopy(cache)  # for teacher forcing after the greedy decode consumed `cache`
         start = time.perf_counter()
-        decoded = decode_loop(
-            self.model, cache, logits, inputs.mask, inputs.positions[:, -1], self.eos, sample.max_new_tokens
-        )
+        decoded = decode_loop(self.model, cache, logits, mask, last_pos, self.eos, sample.max_new_tokens)
         first_token_s = time.perf_counter() - start - decoded.seconds
         ids = decoded.generated[0]
         text_ids = ids[:-1] if ids and ids[-1] in self.eos else ids
         reference_ids = (teacher or RunOutcome(ids, "", None, 0, 0, 0, 0, {}, [])).token_ids
         logprobs = teacher_forced_logprobs(
-            self.model, forced, logits, reference_ids, inputs.mask, inputs.positions[:, -1],
-            "decode" in method.stages,
+            self.model, forced, logits, reference_ids, mask, last_pos, "decode" in method.stages,
         )  # fmt: skip
         ttft = (prefill_s + compress_s if snapshot is not None else setup_s) + first_token_s
         return RunOutcome(
@@ -257,6 +259,7 @@ class Runner:
             tpot_s=decoded.seconds / decoded.steps if decoded.steps else math.nan,
             stats=stats.as_dict(),
             budgets=budgets,
+            selection_layer=selection_layer(method, 0),
         )
 
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, bar) -> None:
@@ -324,6 +327,7 @@ class Runner:
             logical_bytes=outcome.stats["logical_bytes"],
             physical_bytes=outcome.stats["physical_bytes"],
             budgets=outcome.budgets,
+            selection_layer=outcome.selection_layer,
             error=None,
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )

@@ -95,7 +95,9 @@ class ASL(PruneMethod):
         if not isinstance(self.l_obs, int) or self.l_obs < 1:
             raise UnknownMethodError(f"{self.name}: l_obs must be an integer ≥ 1, got {self.l_obs!r}")
         if not isinstance(self.l_min, int) or self.l_min < -1:
-            raise UnknownMethodError(f"{self.name}: l_min must be ≥ 0 (or -1 for layers // 3), got {self.l_min!r}")
+            raise UnknownMethodError(
+                f"{self.name}: l_min must be ≥ 0 (or -1 for layers // 3), got {self.l_min!r}"
+            )
 
     def first_tested_layer(self, num_layers: int) -> int:
         """``L_min`` (``layers // 3`` by default), clamped to the model's last layer."""

@@ -42,10 +42,13 @@ class FastKV(PruneMethod):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.tsp_layer, int) or self.tsp_layer < -1:
-            raise UnknownMethodError(f"{self.name}: tsp_layer must be ≥ 0 (or -1 for the middle), got {self.tsp_layer!r}")
+            raise UnknownMethodError(
+                f"{self.name}: tsp_layer must be ≥ 0 (or -1 for the middle), got {self.tsp_layer!r}"
+            )
         if not isinstance(self.tsp_len, int) or self.tsp_len < 0 or 0 < self.tsp_len <= self.window:
             raise UnknownMethodError(
-                f"{self.name}: tsp_len must be 0 (the budget) or > window ({self.window}), got {self.tsp_len!r}"
+                f"{self.name}: tsp_len must be 0 (the budget) or > window ({self.window}), "
+                f"got {self.tsp_len!r}"
             )
 
     def selection_layer_for(self, num_layers: int) -> int:

@@ -61,7 +61,9 @@ class PyramidInfer(PruneMethod):
             if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
                 raise UnknownMethodError(f"{self.name}: {name} must be in [0, 1), got {value!r}")
         if not isinstance(self.min_context, int) or self.min_context < 0:
-            raise UnknownMethodError(f"{self.name}: min_context must be an integer ≥ 0, got {self.min_context!r}")
+            raise UnknownMethodError(
+                f"{self.name}: min_context must be an integer ≥ 0, got {self.min_context!r}"
+            )
 
     def begin_prune(self, batch_size: int, num_layers: int) -> None:
         super().begin_prune(batch_size, num_layers)

@@ -15,6 +15,7 @@ import kvbudget
 from conftest import TINY, tiny_model, tiny_tokenizer
 from kvbudget.cache import BudgetCache
 from kvbudget.errors import UnsupportedModelError
+from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
 from kvbudget.eval.store import load_rows
 from kvbudget.methods.registry import make_method
@@ -259,3 +260,47 @@ def test_eval_rows_record_the_selection_layer(tmp_path):
     assert rows["asl"]["selection_layer"] == 1 and rows["gemfilter"]["selection_layer"] == 2
     assert rows["snapkv"]["selection_layer"] is None
     assert rows["gemfilter"]["budgets"] == [[40, 40]] * 4
+    text = write_report(tmp_path).read_text()
+    assert "| asl:window=4,kernel=3,tau=1.5 | 40 | needle_filler | 1: 1 | 1.0 |" in text
+    assert "| gemfilter:kernel=3 | 40 | needle_filler | 2: 1 | 2.0 |" in text
+    assert (tmp_path / "selection_layers.png").stat().st_size > 1000
+
+
+@pytest.mark.integration
+def test_manual_layer_loop_reproduces_the_real_model(real_model):
+    model, tokenizer = real_model
+    ids = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog. " * 30)["input_ids"]])
+    mask = torch.ones_like(ids)
+    positions = torch.arange(ids.shape[1])[None]
+    kvbudget.detach(model)
+    with torch.no_grad():
+        reference = model(ids, position_ids=positions).logits
+        cache = BudgetCache(model.config.num_hidden_layers)
+        mine = run_layers(model, ids, mask, positions, cache, all_logits=True)
+    error = (mine - reference).abs().max()
+    assert error < 1e-5, error
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["asl", "asl-fullkv", "asl-2pass", "fastkv", "gemfilter", "pyramidinfer"])
+def test_prune_methods_on_the_real_model(name, real_model):
+    """Each prune method runs end to end on a 1K needle and cuts at a layer inside the model."""
+    from kvbudget.eval.tasks.needle import needle_sample
+
+    model, tokenizer = real_model
+    sample = needle_sample(tokenizer, length=1000, depth=0.5, haystack="essays", seed=1)
+    result = kvbudget.generate(
+        model, tokenizer, sample.context, sample.question, sample.answer_prefix, method=name, budget=128,
+        max_new_tokens=12,
+    )  # fmt: skip
+    layers = model.config.num_hidden_layers
+    if name in ("fastkv", "gemfilter", "pyramidinfer"):
+        assert result.selection_layer is not None
+    if name == "pyramidinfer":  # a layer holds what it processed: fewer tokens deeper
+        per_layer = result.budgets[:, 0]
+        assert (per_layer[1:] <= per_layer[:-1]).all() and per_layer[-1] < per_layer[0]
+    elif result.selection_layer is not None:
+        assert 0 <= result.selection_layer < layers
+        assert result.budgets[result.selection_layer + 1 :].eq(128).all()
+        if name != "asl-fullkv":
+            assert result.budgets.eq(128).all()

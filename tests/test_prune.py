@@ -147,6 +147,54 @@ def _six_layer_model():
     return _MODEL_CACHE["six"]
 
 
+def _maxpool(x: np.ndarray, kernel: int) -> np.ndarray:
+    """Max pooling along the last axis, -inf padding kernel // 2."""
+    pad = kernel // 2
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], constant_values=-np.inf)
+    return np.stack([padded[..., i : i + x.shape[-1]] for i in range(kernel)]).max(0)
+
+
+def test_fastkv_selection_equals_the_formula():
+    """At the TSP layer: SnapKV scores (sum over window, GQA mean, max-pool) summed over KV heads."""
+    model = _six_layer_model()
+    ids = _ids(80, 8)
+    window, kernel, budget, tsp = 4, 3, 24, 2
+    probs = _eager_window_probs(model, ids, window)[tsp]  # [hq, w, n]
+    n = probs.shape[-1]
+    per_query_head = probs.sum(1)[:, : n - window]
+    per_kv_head = per_query_head.reshape(2, 2, -1).mean(1)  # 4 query heads, 2 KV heads
+    scores = _maxpool(per_kv_head, kernel).sum(0)
+    best = np.argsort(-scores, kind="stable")[: budget - window]
+    expected = np.sort(np.concatenate([best, np.arange(n - window, n)]))
+    method = make_method("fastkv", window=window, kernel=kernel, tsp_layer=tsp)
+    cache = kvbudget.compress(model, ids, method=method, budget=budget)
+    assert method.selection_layers == [tsp]
+    assert method.selected[0].tolist() == expected.tolist()
+    assert cache.layers[tsp + 1].positions[0, 0].tolist() == expected.tolist()
+
+
+def test_pyramidinfer_first_cut_equals_the_formula():
+    """Layer 1 (layer 0's ratio is 1): recent = 1 + int(0.2 n) queries, head mean, linspace weights."""
+    model = _six_layer_model()
+    ids = _ids(80, 9)
+    n, decay, sinks = 80, 0.5, 4
+    probs = _eager_window_probs(model, ids, 1 + int(0.2 * n))[1].mean(0)  # [recent, n]
+    recent = probs.shape[0]
+    context = n - recent
+    weights = np.linspace(1.0, 1.2, recent)
+    scores = (probs[:, :context] * weights[:, None]).mean(0)
+    scores[:sinks] = np.inf
+    ratio = (1 - decay) * (np.cos(np.pi * 1 / 6) + 1) / 2 + decay
+    keep_len = max(int(ratio * context), 8)
+    best = np.argsort(-scores, kind="stable")[:keep_len]
+    expected = np.sort(np.concatenate([best, np.arange(context, n)]))
+    method = make_method("pyramidinfer", decay=decay, min_context=8)
+    cache = kvbudget.compress(model, ids, method=method, budget=20)
+    assert method.selection_layers == [1]
+    assert cache.layers[2].positions[0, 0].tolist() == expected.tolist()
+    assert cache.stats().entries[:, 0].tolist()[:2] == [80, 80]
+
+
 # ---------------------------------------------------------------------- forwards, independently
 def _plain_layers(model, hidden, positions, layers, cache=None):
     """Run ``model.model.layers[layers]`` on ``hidden: [1, q, d]`` at RoPE ``positions`` with sdpa."""

@@ -327,6 +327,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "ada-snapkv", "ada-pyramidkv", "h2o", "tova", "vatp",
         # references in tests/test_lava.py and tests/test_cake.py
         "lava", "lava-uniform", "lava-nohead", "lava-pyramid", "cake",
+        # prune-stage methods: references in tests/test_prune.py (ASL's scoring is shared by its variants)
+        "asl", "asl-fullkv", "asl-2pass", "fastkv", "gemfilter", "pyramidinfer",
     }  # fmt: skip
     assert set(method_names()) == covered
 

@@ -312,6 +312,7 @@ def test_eval_rows_record_the_selection_layer(tmp_path):
     assert "| asl:window=4,kernel=3,tau=1.5 | 40 | needle_filler | 1: 1 | 1.0 |" in text
     assert "| gemfilter:kernel=3 | 40 | needle_filler | 2: 1 | 2.0 |" in text
     assert (tmp_path / "selection_layers.png").stat().st_size > 1000
+    assert "| snapkv | 40 |" not in text.split("## Selection layers")[1].split("## Speed")[0]
 
 
 @pytest.mark.integration

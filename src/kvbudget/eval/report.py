@@ -172,12 +172,16 @@ def plot_budget_maps(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _is_prune_method(name: str) -> bool:
+    from kvbudget.methods.registry import REGISTRY
+
+    return name in REGISTRY and "prune" in REGISTRY[name].stages
+
+
 def selection_layer_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per prune-stage method, budget and task, how often each layer was the
     selection layer (``-`` = nothing pruned), from the rows' ``selection_layer``."""
-    rows = [r for r in rows if "selection_layer" in r and r["budget"] is not None]
-    pruned = {r["label"] for r in rows if r["selection_layer"] is not None}
-    rows = [r for r in rows if r["label"] in pruned]
+    rows = [r for r in rows if _is_prune_method(r["method"]) and r["budget"] is not None]
     if not rows:
         return []
     lines = ["| method | budget | task | selection layer: samples | mean layer |", "|---|---|---|---|---|"]

@@ -27,6 +27,13 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "laq++": {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4},
     "laq-ada": {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4},
     "laq-lava": {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4},
+    # tau > 1 selects at l_min (relative variance 1 there): the tiny tests really prune
+    "asl": {"window": 4, "kernel": 3, "tau": 1.5},
+    "asl-fullkv": {"window": 4, "kernel": 3, "tau": 1.5},
+    "asl-2pass": {"window": 4, "kernel": 3, "tau": 1.5},
+    "fastkv": {"window": 4, "kernel": 3},
+    "gemfilter": {"kernel": 3},
+    "pyramidinfer": {"min_context": 8, "decay": 0.5},
 }
 
 ALL_METHODS = method_names()
@@ -45,6 +52,8 @@ DYNAMIC_LAYER_METHODS = [
 MERGING_METHODS = ["d2o", "d2o-uniform", "cam"]
 #: methods whose per-layer (and per-head) budgets come from an offline profile
 PROFILED_METHODS = ["squeezeattention", "baklava", "baklava-snapkv"]
+#: prune-stage methods change the prefill forward (deeper layers see only selected tokens)
+PRUNE_METHODS = [name for name in ALL_METHODS if "prune" in make_method(name).stages]
 
 
 def small(name: str) -> Method:

@@ -12,6 +12,9 @@ from method_matrix import ALL_METHODS, DECODE_METHODS
 
 pytestmark = pytest.mark.integration
 
+#: prune-stage methods whose cache may exceed the budget (see their docstrings)
+BEYOND_BUDGET = {"asl-fullkv", "asl-2pass", "pyramidinfer"}
+
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(real_model):
@@ -59,6 +62,11 @@ def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_
     assert result.budgets.shape == (layers, heads)
     assert len(result.token_ids) == 6 or result.token_ids[-1] == model_and_tokenizer[1].eos_token_id
     entries = result.cache_stats_after.entries
+    if name in BEYOND_BUDGET:
+        # full cache up to the selection layer (or everywhere when ASL selects none); PyramidInfer's
+        # layer 0 keeps the whole prompt: these hold more than the budget by design
+        assert result.cache_stats_after.logical_bytes <= result.cache_stats_before.logical_bytes
+        return
     assert int(entries.sum()) <= layers * heads * budget * 1.1  # pyramid's floored step may add a little
     assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 5
 

@@ -50,3 +50,13 @@ def test_prefill_methods_compress_each_prefix():
     full = chunked_perplexity(model, IDS, make_method("full"), None, chunk=32, first_chunk=32)
     assert small.tokens == full.tokens
     assert small.nll != pytest.approx(full.nll, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fastkv", "gemfilter"])
+def test_prune_methods_score_chunks_on_their_pruned_prefix(name):
+    model = tiny_model()
+    method = make_method(name, window=4, kernel=3) if name == "fastkv" else make_method(name, kernel=3)
+    same = chunked_perplexity(model, IDS, method, budget=400, chunk=16, first_chunk=40)
+    assert same.nll == pytest.approx(_reference_nll(model, IDS, 40), abs=1e-4)  # nothing pruned
+    pruned = chunked_perplexity(model, IDS, method, budget=24, chunk=32)
+    assert pruned.max_entries_per_head == 24 + 32 and pruned.tokens == 200 - 32  # first chunk: 32

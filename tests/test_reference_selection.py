@@ -332,6 +332,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "squeezeattention", "baklava", "baklava-snapkv",
         # references in tests/test_laq.py
         "laq", "laq++", "laq-ada", "laq-lava",
+        # prune-stage methods: references in tests/test_prune.py (ASL's scoring is shared by its variants)
+        "asl", "asl-fullkv", "asl-2pass", "fastkv", "gemfilter", "pyramidinfer",
     }  # fmt: skip
     assert set(method_names()) == covered
 

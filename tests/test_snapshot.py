@@ -7,8 +7,9 @@ import torch
 
 import kvbudget
 from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
+from kvbudget.errors import KVBudgetError
 from kvbudget.snapshot import derive, take_snapshot
-from method_matrix import ALL_METHODS, small
+from method_matrix import ALL_METHODS, PRUNE_METHODS, small
 
 CONTEXTS = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3,
@@ -27,8 +28,16 @@ def _layers_equal(a, b) -> bool:
     return True
 
 
+@pytest.mark.parametrize("name", PRUNE_METHODS)
+def test_prune_methods_cannot_derive_from_a_snapshot(name, llama, chat_tokenizer):
+    """A snapshot is one full forward; a prune-stage method changes the forward itself."""
+    inputs = prefill_inputs([build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])], 0)
+    with pytest.raises(KVBudgetError, match="prune-stage"):
+        derive(llama, take_snapshot(llama, inputs), small(name), budget=20)
+
+
 @pytest.mark.parametrize("agnostic", [False, True])
-@pytest.mark.parametrize("name", ALL_METHODS)
+@pytest.mark.parametrize("name", [m for m in ALL_METHODS if m not in PRUNE_METHODS])
 def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat_tokenizer):
     budget = 40
     layer_wise = kvbudget.generate(

@@ -70,6 +70,10 @@ class BudgetLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` ``[batch, kv_heads, q, head_dim]`` (post-RoPE).
 
+        New entries get positions ``seen .. seen + q − 1``, unless the prune stage passes
+        ``slots=[batch, q]`` (the tokens' slots in the prompt, ``-1`` for pads) and ``seen`` (the
+        logical length after them): deeper layers of a pruned prefill see fewer tokens than the prompt.
+
         Returns the rectangular keys and values (what any attention function expects). In the
         per-head layout there is no rectangular tensor: empty placeholders are returned, and only
         the ``kvbudget`` attention (which reads the layer itself) can serve the layer.
@@ -77,8 +81,14 @@ class BudgetLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, q)
-        self.seen += q
+        slots = kwargs.get("slots")
+        if slots is None:
+            new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, q)
+            self.seen += q
+        else:  # a pruned prefill: the tokens' own slots in the prompt, which this layer saw whole
+            new_pos = slots.to(key_states.device)
+            self.seen = int(kwargs["seen"])
+            self.has_invalid = self.has_invalid or bool((new_pos < 0).any())
         if self.is_ragged:
             for i in range(h):
                 self.head_keys[i] = torch.cat([self.head_keys[i], key_states[:, i]], dim=1)
@@ -376,6 +386,8 @@ class BudgetCache(Cache):
         super().__init__(layers=[BudgetLayer() for _ in range(num_layers)])
         self.session = session
         self.attention_attached = False
+        #: set by the prune stage while a pruned sequence runs: (slots ``[b, q]``, logical length)
+        self.pruned_slots: tuple[torch.Tensor, int] | None = None
         self.peak_physical_bytes = 0
         self._layer_bytes = [0] * num_layers
         self._total_bytes = 0
@@ -389,7 +401,11 @@ class BudgetCache(Cache):
                 "this BudgetCache holds per-head budgets, which only the kvbudget attention can read: "
                 "call kvbudget.attach(model) first"
             )
-        out = layer.update(key_states, value_states)
+        if self.pruned_slots is None:
+            out = layer.update(key_states, value_states)
+        else:
+            slots, seen = self.pruned_slots
+            out = layer.update(key_states, value_states, slots=slots, seen=seen)
         self.note_memory(layer_idx)
         return out
 

@@ -209,6 +209,12 @@ def forward_last_logits(
     return out.logits[:, -1]
 
 
+def selection_layer(method: Method, row: int) -> int | None:
+    """The layer after which a prune-stage method cut batch row ``row`` (None: nothing pruned)."""
+    layers = getattr(method, "selection_layers", None)
+    return None if layers is None else layers[row]
+
+
 def _max_context(model: PreTrainedModel) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
@@ -302,13 +308,22 @@ def prefill(
     """Prefill ``prompts`` (left-padded batch) into a new BudgetCache, compressing layer by layer
     (lookahead methods: right after the compressed part; ``eos`` ends their lookahead).
 
+    Prune-stage methods run through :func:`kvbudget.prune.prune_prefill` (the engine's own layer
+    loop, deeper layers on selected tokens).
+
     Returns the cache, the last position's logits ``[b, vocab]``, the 2-D attention mask
-    ``[b, T]`` and the position of each row's last token ``[b]``.
+    ``[b, T]`` and the position of each row's last token ``[b]`` — what decoding continues from
+    (for two-pass methods: the selected tokens, re-indexed).
     """
     attach(model)
     session.method.prepare(model)
-    cache = BudgetCache(model.config.num_hidden_layers, session)
     inputs = prefill_inputs(prompts, pad_id, compress_context_only)
+    if "prune" in session.method.stages:  # the engine runs the layers itself (kvbudget.prune)
+        from kvbudget.prune import prune_prefill
+
+        cache, logits, inputs = prune_prefill(model, inputs, session)
+        return cache, logits, inputs.mask, inputs.positions[:, -1]
+    cache = BudgetCache(model.config.num_hidden_layers, session)
     session.phase = "prefill"
     logits = prefill_compressed_part(model, inputs, cache)
     run_lookahead(model, inputs, cache, logits, eos)
@@ -487,6 +502,7 @@ def generate(
                 prompt_tokens=len(prompt.ids),
                 method=method_obj.name,
                 options=method_obj.options(),
+                selection_layer=selection_layer(method_obj, r),
                 cache=cache if return_cache else None,
                 cache_trace=decoded.trace[r],
             )
@@ -524,10 +540,15 @@ def compress(
     attach(model)
     method_obj.prepare(model)
     session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
-    cache = BudgetCache(model.config.num_hidden_layers, session)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = PrefillInputs(input_ids, attention_mask, positions, input_ids.shape[1])
-    logits = prefill_compressed_part(model, inputs, cache)
-    run_lookahead(model, inputs, cache, logits)
+    if "prune" in method_obj.stages:
+        from kvbudget.prune import prune_prefill
+
+        cache, _, _ = prune_prefill(model, inputs, session)
+    else:
+        cache = BudgetCache(model.config.num_hidden_layers, session)
+        logits = prefill_compressed_part(model, inputs, cache)
+        run_lookahead(model, inputs, cache, logits)
     session.phase = "decode"
     return cache

@@ -101,7 +101,7 @@ class CompressionSession:
             if keep_queries:
                 self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]
                 self.scaling = scaling
-            if "prefill" in stages:
+            if "prefill" in stages or "prune" in stages:
                 obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
                 if self.targets is None:
                     self.resolve(obs.lengths)

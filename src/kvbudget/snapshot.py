@@ -1,6 +1,7 @@
 """Shared prefill: prefill once, derive every (method, budget) cache from the snapshot.
 
-Every method that acts after a layer's attention (all but the prune stage) compresses a layer
+Every method that acts after a layer's attention (all but the prune stage, which :func:`derive`
+refuses) compresses a layer
 from that layer's post-RoPE queries, keys and values, which do not depend on how earlier layers
 were compressed (each layer's attention output is computed on its full cache first). So the
 compressed cache is the same whether compression runs inside the prefill or later from a
@@ -19,6 +20,7 @@ from transformers import PreTrainedModel
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.engine import PrefillInputs, append_uncompressed, prefill_compressed_part, run_lookahead
+from kvbudget.errors import KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.full import FullCache
 from kvbudget.session import CompressionSession
@@ -89,6 +91,11 @@ def derive(
     Returns the compressed cache (its session in decode phase; for question-agnostic snapshots
     the question has been appended uncompressed) and the last-position logits to decode from.
     """
+    if "prune" in method.stages:
+        raise KVBudgetError(
+            f"{method.name} is a prune-stage method: it changes the prefill forward, so it cannot be "
+            "derived from a snapshot of the full prefill; prefill with it (kvbudget.engine.prefill)"
+        )
     num_layers = model.config.num_hidden_layers
     method.prepare(model)
     session = CompressionSession(method, num_layers, budget=budget, ratio=ratio)

@@ -3,7 +3,8 @@
 Writes ``DIR/report.md`` with, per task, a methods × budgets table of the task score (×100),
 retention (score on the samples the full cache solves, i.e. full-cache score ≥ 0.5) and fidelity
 (greedy agreement with the full cache, KL(full ‖ method)); and PNGs: score vs budget per task,
-needle heatmaps (length × depth) per method and budget, and per-layer/per-head budget maps.
+needle heatmaps (length × depth) per method and budget, and per-layer/per-head budget maps; for
+prune-stage methods, the distribution of the selection layer per task (table and histogram).
 """
 
 from __future__ import annotations
@@ -171,6 +172,60 @@ def plot_budget_maps(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _is_prune_method(name: str) -> bool:
+    from kvbudget.methods.registry import REGISTRY
+
+    return name in REGISTRY and "prune" in REGISTRY[name].stages
+
+
+def selection_layer_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: per prune-stage method, budget and task, how often each layer was the
+    selection layer (``-`` = nothing pruned), from the rows' ``selection_layer``."""
+    rows = [r for r in rows if _is_prune_method(r["method"]) and r["budget"] is not None]
+    if not rows:
+        return []
+    lines = ["| method | budget | task | selection layer: samples | mean layer |", "|---|---|---|---|---|"]
+    for (label, budget, task), mine in sorted(_group(rows, "label", "budget", "task").items()):
+        counts: dict[Any, int] = defaultdict(int)
+        for r in mine:
+            counts[r["selection_layer"]] += 1
+        keys = sorted(k for k in counts if k is not None) + ([None] if None in counts else [])
+        cells = ", ".join(f"{'-' if k is None else k}: {counts[k]}" for k in keys)
+        layers = [r["selection_layer"] for r in mine if r["selection_layer"] is not None]
+        lines.append(f"| {label} | {budget} | {task} | {cells} | {_fmt(_mean(layers), 1, 1)} |")
+    return lines
+
+
+def plot_selection_layers(rows: list[dict], path: Path) -> bool:
+    """Histogram of selection layers per task, one panel per prune-stage method (smallest budget)."""
+    rows = [r for r in rows if r.get("selection_layer") is not None and r["budget"] is not None]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = sorted({r["label"] for r in rows})
+    tasks = sorted({r["task"] for r in rows})
+    top = max(r["selection_layer"] for r in rows)
+    fig, axes = plt.subplots(1, len(labels), figsize=(3.2 * len(labels) + 0.5, 3), squeeze=False)
+    for ax, label in zip(axes[0], labels, strict=True):
+        mine = [r for r in rows if r["label"] == label]
+        smallest = min(r["budget"] for r in mine)
+        at_budget = [r for r in mine if r["budget"] == smallest]
+        data = [[r["selection_layer"] for r in at_budget if r["task"] == t] for t in tasks]
+        ax.hist(data, bins=range(0, top + 2), label=tasks, align="left")
+        ax.set_title(f"{label} B={smallest}", fontsize=8)
+        ax.set_xlabel("selection layer", fontsize=7)
+        ax.set_ylabel("samples", fontsize=7)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_report(out: Path) -> Path:
     """Write ``out/report.md`` and its PNGs; returns the report's path."""
     out = Path(out)
@@ -201,6 +256,11 @@ def write_report(out: Path) -> Path:
         lines += ["## Needle heatmaps", "", "![needle heatmaps](needle_heatmaps.png)", ""]
     if plot_budget_maps(ok, out / "budget_maps.png"):
         lines += ["## Budgets per layer and head", "", "![budget maps](budget_maps.png)", ""]
+    selection = selection_layer_table(ok)
+    if selection:
+        lines += ["## Selection layers (prune-stage methods)", "", *selection, ""]
+        if plot_selection_layers(ok, out / "selection_layers.png"):
+            lines += ["![selection layers](selection_layers.png)", ""]
     timing = _group([r for r in ok if r["metric"] != "perplexity"], "label")
     lines += [
         "## Speed and memory",

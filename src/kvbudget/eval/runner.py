@@ -2,7 +2,8 @@
 
 Shared prefill (default): each sample is prefilled once with the full cache
 (:func:`kvbudget.snapshot.take_snapshot`); the full-cache answer, its teacher-forced
-log-probabilities and every (method, budget) cache derive from that snapshot. With
+log-probabilities and every (method, budget) cache derive from that snapshot — except prune-stage
+methods (ASL, FastKV, GemFilter, PyramidInfer), which change the prefill forward and run their own. With
 ``shared=False`` every run prefills on its own (layer-wise compression, as ``generate`` does) —
 the two give bit-identical predictions; the shared one is several times faster.
 
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvbudget
-from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
+from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs, selection_layer
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.draft import decode_with_draft
 from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agreement
@@ -104,6 +105,7 @@ class RunOutcome:
     draft_accepted: int = 0
     lookahead_s: float = 0.0  # lookahead methods: parts of compress_s
     reselect_s: float = 0.0
+    selection_layer: int | None = None
 
 
 class Runner:
@@ -222,6 +224,8 @@ class Runner:
         candidates: list[list[int]] = (),
     ) -> RunOutcome:
         """Generate with one method; with ``teacher``, also its log-probs on the teacher's answer."""
+        if "prune" in method.stages:
+            snapshot = None  # a prune-stage method changes the prefill forward: it runs its own
         inputs = (
             snapshot.inputs
             if snapshot
@@ -232,32 +236,32 @@ class Runner:
         if snapshot is not None:
             cache, logits = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
             prefill_s = snapshot.seconds
+            mask, last_pos = inputs.mask, inputs.positions[:, -1]
         else:
             session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
-            cache, logits, _, _ = kvbudget.engine.prefill(
+            cache, logits, mask, last_pos = kvbudget.engine.prefill(
                 self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
-            )
+            )  # mask/last_pos: what decoding continues from (a two-pass method re-indexes its tokens)
             prefill_s = time.perf_counter() - start - session.compress_seconds
         setup_s = time.perf_counter() - start
         compress_s = cache.session.compress_seconds
         stats = cache.stats(0)
         budgets = cache.session.budgets[0].tolist()
         step_by_step = "decode" in method.stages
-        last_pos = inputs.positions[:, -1]
         start = time.perf_counter()
         if teacher is None:  # the full-cache reference: its own answer, then its log-probs on it
             forced = copy.deepcopy(cache)
             decoded = decode_loop(
-                self.model, cache, logits, inputs.mask, last_pos, self.eos, sample.max_new_tokens
+                self.model, cache, logits, mask, last_pos, self.eos, sample.max_new_tokens
             )
             ids, steps, decode_s, accepted = decoded.generated[0], decoded.steps, decoded.seconds, 0
             first_token_s = time.perf_counter() - start - decode_s
             logprobs = teacher_forced_logprobs(
-                self.model, forced, logits, ids, inputs.mask, last_pos, step_by_step
+                self.model, forced, logits, ids, mask, last_pos, step_by_step
             )
         else:  # the reference answer is a draft: one pass gives log-probs and the agreeing prefix
             drafted = decode_with_draft(
-                self.model, cache, logits, teacher.token_ids, inputs.mask, last_pos, self.eos,
+                self.model, cache, logits, teacher.token_ids, mask, last_pos, self.eos,
                 sample.max_new_tokens, step_by_step, candidates,
             )  # fmt: skip
             ids, steps, decode_s = drafted.token_ids, drafted.steps, drafted.seconds
@@ -278,6 +282,7 @@ class Runner:
             draft_accepted=accepted,
             lookahead_s=cache.session.lookahead_seconds,
             reselect_s=cache.session.reselect_seconds,
+            selection_layer=selection_layer(method, 0),
         )
 
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, bar) -> None:
@@ -348,6 +353,7 @@ class Runner:
             logical_bytes=outcome.stats["logical_bytes"],
             physical_bytes=outcome.stats["physical_bytes"],
             budgets=outcome.budgets,
+            selection_layer=outcome.selection_layer,
             error=None,
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )

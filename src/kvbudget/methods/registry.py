@@ -8,16 +8,20 @@ from typing import Any
 from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.ada_pyramidkv import AdaPyramidKV
 from kvbudget.methods.ada_snapkv import AdaSnapKV
+from kvbudget.methods.asl import ASL, ASL2Pass, ASLFullKV
 from kvbudget.methods.baklava import BaKlaVa, BaKlaVaSnapKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.cake import CAKE
 from kvbudget.methods.cam import CaM
 from kvbudget.methods.d2o import D2O, D2ONoMerge, D2OUniform
+from kvbudget.methods.fastkv import FastKV
 from kvbudget.methods.full import FullCache
+from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
+from kvbudget.methods.pyramidinfer import PyramidInfer
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.snapkv import SnapKV
@@ -56,6 +60,12 @@ REGISTRY: dict[str, type[Method]] = {
         LAQPlusPlus,
         LAQAda,
         LAQLava,
+        ASL,
+        ASLFullKV,
+        ASL2Pass,
+        FastKV,
+        GemFilter,
+        PyramidInfer,
     )
 }
 

@@ -6,7 +6,8 @@ The text is read in chunks of ``chunk`` tokens; each chunk's tokens are predicte
 * **decode-stage methods** (StreamingLLM, H2O, TOVA, ...): one running cache, trimmed back to the
   budget after every chunk, so it never holds more than ``budget + chunk`` entries;
 * **prefill-stage methods** (SnapKV, AdaKV, ...): each chunk's prefix is prefilled and compressed
-  once, then the chunk is scored on that compressed prefix;
+  once, then the chunk is scored on that compressed prefix (prune-stage methods prefill it with
+  their pruned forward; two-pass methods' re-indexed positions continue into the chunk);
 * **full**: the whole passage in one forward.
 
 Deviation from token-by-token evaluation: chunks of 32 tokens (default) see each other causally
@@ -26,10 +27,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache
 from kvbudget.data import austen_novels
+from kvbudget.engine import PrefillInputs
 from kvbudget.errors import InputError
 from kvbudget.eval.sample import Sample
 from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.methods.base import Method
+from kvbudget.prune import prune_prefill
 from kvbudget.session import CompressionSession
 
 
@@ -121,13 +124,22 @@ def chunked_perplexity(
         for pos in range(start, total, chunk):
             stop = min(pos + chunk, total)
             session = CompressionSession(method, layers, budget=budget)
-            cache = BudgetCache(layers, session)
-            session.phase = "prefill"
-            prefix_logits = model(
-                ids[:, :pos], past_key_values=cache, use_cache=True, logits_to_keep=1
-            ).logits
+            if "prune" in method.stages:  # the engine's own pruned forward; positions may be re-indexed
+                head = ids[:, :pos]
+                prefix = PrefillInputs(head, torch.ones_like(head), torch.arange(pos)[None], pos)
+                cache, last_logits, prefix = prune_prefill(model, prefix, session)
+                prefix_logits, next_pos = last_logits[:, None], int(prefix.positions[0, -1]) + 1
+            else:
+                cache = BudgetCache(layers, session)
+                session.phase = "prefill"
+                prefix_logits = model(
+                    ids[:, :pos], past_key_values=cache, use_cache=True, logits_to_keep=1
+                ).logits
+                next_pos = pos
             session.phase = "off"
-            out = model(ids[:, pos:stop], past_key_values=cache, use_cache=True).logits[0]
+            positions = torch.arange(next_pos, next_pos + stop - pos)[None]
+            out = model(ids[:, pos:stop], position_ids=positions, past_key_values=cache, use_cache=True)
+            out = out.logits[0]
             nll += float(_nll(torch.cat([prefix_logits[0, -1:], out[:-1]]), ids[0, pos:stop]))
             scored += stop - pos
             peak = max(peak, int(cache.stats().entries.max()))

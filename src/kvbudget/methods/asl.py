@@ -1,0 +1,171 @@
+"""ASL: adaptive selection layer for layer-wise token pruning (one pass, full-KV and two-pass)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbudget.errors import UnknownMethodError
+from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
+from kvbudget.observation import Observation
+from kvbudget.scoring import pool_keys, window_scores
+
+
+def token_scores(obs: Observation, window: int, kernel: int) -> torch.Tensor:
+    """ASL's pooled window attention summed over all heads: ``[b, n]`` (paper §4.1, Alg. 1 lines 3–6).
+
+    Attention of the last ``window`` queries (softmax over all keys, causal in the window block),
+    summed over the window rows, average-pooled along the keys (kernel ``kernel``, zero padding),
+    summed over every query head. The window's own columns are 0.
+    """
+    probs = obs.window_probs(window)  # [b, hq, w, n]
+    w, n = probs.shape[2], probs.shape[3]
+    rows = probs.sum(2)  # [b, hq, n]
+    pooled = pool_keys(rows[..., : n - w], kernel, "avg")
+    scores = torch.zeros(rows.shape[0], n, dtype=torch.float32, device=rows.device)
+    scores[:, : n - w] = pooled.sum(1)
+    return scores
+
+
+def ranks_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry of ``scores: [m]`` by descending score, 1 = best; ties to the earlier entry."""
+    order = torch.sort(scores.float(), descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(1, order.numel() + 1, device=order.device)
+    return ranks
+
+
+def rank_variance(ranks: torch.Tensor, k: int) -> float:
+    """``var_top`` of the paper (§4.1, Alg. 2 lines 4–8) for ``ranks: [layers, T]``.
+
+    U = union over the layers of each layer's ``k`` best tokens (smallest ranks); the result is the
+    mean over ``j ∈ U`` of the population variance over layers of ``ranks[:, j]``.
+    """
+    k = min(k, ranks.shape[1])
+    if k <= 0:
+        return 0.0
+    best = torch.topk(-ranks, k, dim=1).indices  # [layers, k]
+    union = torch.unique(best.flatten())
+    chosen = ranks[:, union].double()
+    return float(chosen.var(dim=0, unbiased=False).mean())
+
+
+@dataclass
+class ASL(PruneMethod):
+    """ASL: pick the selection layer where attention ranks stop moving, then prune (one pass).
+
+    From layer ``l_min`` on, each layer's context tokens are ranked by their pooled window attention
+    summed over all heads (:func:`token_scores`). With ``X`` the ranks of the last ``l_obs`` layers
+    and ``U`` the union of their top ``k − w`` tokens, ``var = mean_{j∈U} var_layers(X[:, j])``; the
+    variance at ``l_min`` is ``V0``. The first layer with ``var / V0 < tau`` is the selection layer:
+    its top ``k − w`` tokens plus the window are kept (sorted), the cut happens after the layer's
+    attention and MLP, and deeper layers run on those tokens at their original positions. If no
+    layer qualifies, nothing is pruned. Layers whose cache exceeds the budget are compressed with
+    SnapKV (window ``window``, average pooling ``kernel``, sum over each GQA group, per-head top-k),
+    so every layer's cache is ``k`` (the paper's ASL + SnapKV one-pass setting).
+
+    Reference: Taniguchi et al., "Adaptive Layer Selection for Layer-Wise Token Pruning in LLM
+    Inference" (ASL), §4, Algorithms 1–2. Repo: TANIGUCHIREI/ASL.
+
+    Args:
+        tau: relative-variance threshold (0.3). l_min: first layer tested (-1 → ``layers // 3``).
+        l_obs: layers whose ranks form ``X`` (8). window: observation window, always kept (32).
+        kernel: average-pooling kernel (7).
+
+    Choices where the paper is silent: ranks are computed from layer ``max(0, l_min − l_obs + 1)``
+    so ``X`` has ``l_obs`` layers at ``l_min`` (fewer in models with few layers); ``V0 = 0`` (ranks
+    identical across those layers) counts as relative variance 0 at later layers when their
+    variance is 0, else infinity. In a batch each row selects its own layer from its own tokens.
+    """
+
+    name: ClassVar[str] = "asl"
+    paper: ClassVar[str] = "ASL (Taniguchi et al.), github.com/TANIGUCHIREI/ASL"
+    window: int = 32
+    kernel: int = 7
+    tau: float = 0.3
+    l_min: int = -1
+    l_obs: int = 8
+
+    def validate(self) -> None:
+        super().validate()
+        if not (isinstance(self.tau, (int, float)) and self.tau > 0):
+            raise UnknownMethodError(f"{self.name}: tau must be > 0, got {self.tau!r}")
+        if not isinstance(self.l_obs, int) or self.l_obs < 1:
+            raise UnknownMethodError(f"{self.name}: l_obs must be an integer ≥ 1, got {self.l_obs!r}")
+        if not isinstance(self.l_min, int) or self.l_min < -1:
+            raise UnknownMethodError(
+                f"{self.name}: l_min must be ≥ 0 (or -1 for layers // 3), got {self.l_min!r}"
+            )
+
+    def first_tested_layer(self, num_layers: int) -> int:
+        """``L_min`` (``layers // 3`` by default), clamped to the model's last layer."""
+        return min(num_layers // 3 if self.l_min < 0 else self.l_min, num_layers - 1)
+
+    def begin_prune(self, batch_size: int, num_layers: int) -> None:
+        super().begin_prune(batch_size, num_layers)
+        self.rank_cache: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
+        self.initial_variance: list[float | None] = [None] * batch_size
+        #: per row, (layer, relative variance) of every tested layer (for inspection and plots)
+        self.relative_variances: list[list[tuple[int, float]]] = [[] for _ in range(batch_size)]
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """SnapKV scores for the cache compression before the selection layer: ``[b, kv_heads, n]``."""
+        return window_scores(obs, self.window, self.kernel, "avg", "sum", "sum")
+
+    def observe_layer(self, obs: Observation, targets: list[int | None]) -> None:
+        layer = obs.layer_idx
+        l_min = self.first_tested_layer(obs.num_layers)
+        if layer < l_min - self.l_obs + 1:
+            return
+        rows = [r for r, t in enumerate(targets) if t is not None and r not in self.selected]
+        if not rows:
+            return
+        scores = token_scores(obs, self.window, self.kernel)
+        for r in rows:
+            context = context_slots(obs, r, self.window)
+            row_scores = scores[r, context]
+            cache = self.rank_cache[r]
+            cache.append(ranks_desc(row_scores))
+            del cache[: -self.l_obs]
+            if layer < l_min:
+                continue
+            k = targets[r] - self.window
+            var = rank_variance(torch.stack(cache), k)
+            relative = self._relative(r, var)
+            self.relative_variances[r].append((layer, relative))
+            if relative < self.tau:
+                keep = top_slots(row_scores, context, k)
+                self.request_cut(r, layer, torch.cat([keep, window_slots(obs, r, self.window)]))
+                self.rank_cache[r] = []  # released (Alg. 2 line 12)
+
+    def _relative(self, row: int, var: float) -> float:
+        v0 = self.initial_variance[row]
+        if v0 is None:
+            self.initial_variance[row] = var
+            return 1.0
+        if v0 == 0.0:
+            return 0.0 if var == 0.0 else float("inf")
+        return var / v0
+
+
+@dataclass
+class ASLFullKV(ASL):
+    """ASL with the full cache before the selection layer (the paper's "Full (before selection) &
+    k (after selection)" rows): no SnapKV compression; layers up to the selection layer keep every
+    token, deeper layers the ``k`` selected ones. If no layer is selected the cache stays full."""
+
+    name: ClassVar[str] = "asl-fullkv"
+    compress_cache: ClassVar[bool] = False
+
+
+@dataclass
+class ASL2Pass(ASL):
+    """ASL with GemFilter's two passes: pass 1 runs until ASL's selection layer (full attention,
+    its cache discarded); pass 2 runs the whole model on the selected tokens with re-indexed
+    positions ``0..k−1``, so every layer's cache is ``k``. If no layer is selected, pass 1 (the
+    full model on every token) is the prefill and the cache stays full."""
+
+    name: ClassVar[str] = "asl-2pass"
+    two_pass: ClassVar[bool] = True

@@ -1,0 +1,198 @@
+"""The prune stage: the engine runs the decoder layers itself so a method can shrink the sequence.
+
+``run_layers`` is a manual forward — embed → per layer (rotary + mask + decoder layer) → norm →
+head — built from the model's own modules (``embed_tokens``, ``rotary_emb``, ``layers[i]``,
+``norm``, ``lm_head``) and the ``kvbudget`` attention, so the :class:`~kvbudget.cache.BudgetCache`
+is filled exactly as in ``model(...)``. With no pruning it reproduces ``model(...)``'s logits
+(tested to 1e-5 on Llama, Qwen2 and the real model).
+
+After each layer a prune-stage method (:class:`~kvbudget.methods.prune_base.PruneMethod`) may cut
+rows of the batch to selected tokens: their hidden states are gathered and keep their true RoPE
+positions; the cache of every deeper layer then holds only those tokens, at their prompt slots, and
+its logical length stays the prompt's. Rows keep their own selections (a batch is re-left-padded
+to its longest row after a cut), so a batch equals each prompt alone.
+
+``prune_prefill`` runs one-pass methods in one loop and two-pass methods (GemFilter, ASL 2-pass)
+as a scouting pass that stops once every row has selected, then the whole model on the selected
+tokens with re-indexed positions ``0..k−1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from kvbudget.attention import PaddingInfo, attach, check_supported
+from kvbudget.cache import BudgetCache
+from kvbudget.engine import PrefillInputs, append_uncompressed
+from kvbudget.errors import UnsupportedModelError
+from kvbudget.methods.prune_base import PruneMethod
+from kvbudget.session import CompressionSession
+
+
+@dataclass
+class DecoderParts:
+    """The modules a manual forward needs, taken from the model itself."""
+
+    embed: nn.Module
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    head: nn.Module
+
+
+def decoder_parts(model: PreTrainedModel) -> DecoderParts:
+    """The model's embedding, rotary embedding, decoder layers, final norm and LM head.
+
+    Raises :class:`UnsupportedModelError` for architectures outside ``SUPPORTED_MODEL_TYPES`` or
+    without the Llama-like module layout.
+    """
+    check_supported(model)
+    base = getattr(model, "model", None)
+    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+    if base is None or missing or not hasattr(model, "lm_head"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} lacks the Llama-like layout the prune stage runs layer by layer "
+            "(model.embed_tokens/rotary_emb/layers/norm and lm_head; "
+            f"missing: {', '.join(missing) or 'lm_head'})"
+        )
+    return DecoderParts(base.embed_tokens, base.rotary_emb, base.layers, base.norm, model.lm_head)
+
+
+@dataclass
+class _Sequence:
+    """The tokens a layer runs on: ``hidden: [b, q, d]``, RoPE ``rope: [b, q]``, prompt ``slots: [b, q]``
+    (``-1`` = pad) and ``valid: [b, q]``."""
+
+    hidden: torch.Tensor
+    rope: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+
+    def cut(self, cuts: dict[int, torch.Tensor]) -> _Sequence:
+        """Rows in ``cuts`` keep the given columns, the others all their valid ones; re-left-padded."""
+        keep = [cuts.get(r, self.valid[r].nonzero().squeeze(-1)) for r in range(self.hidden.shape[0])]
+        width = max(int(k.numel()) for k in keep)
+        idx = torch.zeros((len(keep), width), dtype=torch.long, device=self.hidden.device)
+        ok = torch.zeros((len(keep), width), dtype=torch.bool, device=self.hidden.device)
+        for r, k in enumerate(keep):
+            idx[r, width - k.numel() :] = k.to(idx.device)
+            ok[r, width - k.numel() :] = True
+        hidden = self.hidden.gather(1, idx[..., None].expand(-1, -1, self.hidden.shape[-1]))
+        return _Sequence(
+            hidden,
+            self.rope.gather(1, idx).masked_fill(~ok, 0),
+            self.slots.gather(1, idx).masked_fill(~ok, -1),
+            ok,
+        )
+
+
+def run_layers(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    cache: BudgetCache,
+    method: PruneMethod | None = None,
+    all_logits: bool = False,
+) -> torch.Tensor | None:
+    """A manual forward of ``ids: [b, T]`` (padding ``mask``, RoPE ``positions``) into ``cache``.
+
+    With ``method``, the method's requested cuts are applied after each layer (one-pass), or the
+    loop stops as soon as a two-pass method's scouting is done (returns ``None`` then).
+
+    Returns the logits ``[b, T, vocab]`` with ``all_logits`` (only meaningful without cuts), else
+    the last position's ``[b, vocab]``.
+    """
+    parts = decoder_parts(model)
+    attach(model)
+    device = parts.embed.weight.device
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    seen = cache.get_seq_length()
+    valid = mask.to(torch.bool)
+    slots = torch.arange(seen, seen + ids.shape[1], device=device).expand_as(ids).masked_fill(~valid, -1)
+    seq = _Sequence(parts.embed(ids), positions, slots, valid)
+    rotary = parts.rotary(seq.hidden, seq.rope)
+    pruned = False
+    targets = cache.session.targets if cache.session is not None else None
+    try:
+        for layer in parts.layers:
+            cache.pruned_slots = (seq.slots, seen + ids.shape[1]) if pruned else None
+            info = PaddingInfo(None if bool(seq.valid.all()) else seq.valid, seq.hidden.shape[1])
+            out = layer(
+                seq.hidden, attention_mask=info, position_ids=seq.rope, past_key_values=cache,
+                use_cache=True, position_embeddings=rotary,
+            )  # fmt: skip
+            seq.hidden = out[0] if isinstance(out, tuple) else out
+            if method is None:
+                continue
+            if method.two_pass:
+                targets = targets if targets is not None else cache.session.targets
+                if method.scouting and method.selected and method.scouting_done(targets):
+                    return None
+                continue
+            cuts = method.take_cuts()
+            if cuts:
+                seq = seq.cut(cuts)
+                rotary = parts.rotary(seq.hidden, seq.rope)
+                pruned = True
+    finally:
+        cache.pruned_slots = None
+    hidden = parts.norm(seq.hidden if all_logits else seq.hidden[:, -1:])
+    logits = parts.head(hidden)
+    return logits if all_logits else logits[:, -1]
+
+
+def _second_pass_inputs(inputs: PrefillInputs, selected: dict[int, torch.Tensor]) -> PrefillInputs:
+    """The selected tokens of each row (all valid ones for unselected rows), left-padded, positions
+    re-indexed ``0..k−1``; in question-agnostic mode the question follows uncompressed."""
+    cut = inputs.compressed_until
+    ids, mask = inputs.ids[:, :cut], inputs.mask[:, :cut]
+    keep = [selected.get(r, mask[r].nonzero().squeeze(-1)).cpu() for r in range(ids.shape[0])]
+    width = max(int(k.numel()) for k in keep)
+    new_ids = torch.zeros((ids.shape[0], width), dtype=ids.dtype)
+    new_mask = torch.zeros((ids.shape[0], width), dtype=mask.dtype)
+    for r, k in enumerate(keep):
+        new_ids[r, width - k.numel() :] = ids[r].cpu()[k]
+        new_mask[r, width - k.numel() :] = 1
+    all_ids = torch.cat([new_ids, inputs.ids[:, cut:].cpu()], 1)
+    all_mask = torch.cat([new_mask, inputs.mask[:, cut:].cpu()], 1)
+    return PrefillInputs(all_ids, all_mask, (all_mask.cumsum(-1) - 1).clamp(min=0), width)
+
+
+@torch.inference_mode()
+def prune_prefill(
+    model: PreTrainedModel, inputs: PrefillInputs, session: CompressionSession
+) -> tuple[BudgetCache, torch.Tensor, PrefillInputs]:
+    """Prefill ``inputs`` with a prune-stage method (``session.method``).
+
+    Returns the cache, the last position's logits ``[b, vocab]`` and the inputs the cache now
+    describes (for two-pass methods: the selected tokens with re-indexed positions; decode from
+    their mask and last positions).
+    """
+    method = session.method
+    if not isinstance(method, PruneMethod):
+        raise TypeError(f"{method.name} is not a prune-stage method")
+    num_layers = model.config.num_hidden_layers
+    method.begin_prune(inputs.ids.shape[0], num_layers)
+    cache = BudgetCache(num_layers, session)
+    session.phase = "prefill"
+    cut = inputs.compressed_until
+    logits = run_layers(
+        model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method
+    )
+    if method.two_pass and method.selected:  # else pass 1 ran every layer on every token: it is the prefill
+        inputs = _second_pass_inputs(inputs, method.selected)
+        method.begin_second_pass()
+        session.budgets = None
+        cache = BudgetCache(num_layers, session)
+        session.phase = "prefill"
+        cut = inputs.compressed_until
+        logits = run_layers(
+            model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method
+        )
+    question_logits = append_uncompressed(model, inputs, cache)
+    return cache, logits if question_logits is None else question_logits, inputs

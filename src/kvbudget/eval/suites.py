@@ -22,7 +22,7 @@ def suite(name: str, model: str | None = None) -> EvalConfig:
     if name == "demo":
         return EvalConfig(
             model=model or "smollm2-135m", tasks=["needle", "niah_single_2"], lengths=[1024, 2048],
-            methods=["full", "snapkv", "ada-snapkv", *seeds], budgets=[64, 128], limit=3, max_new_tokens=16,
+            methods=["full", "snapkv", "ada-snapkv", *seeds], budgets=[64, 128], limit=2, max_new_tokens=16,
         )  # fmt: skip
     if name == "standard":
         from kvbudget.eval.tasks import task_names

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -46,3 +48,34 @@ def select_keep(
         top = torch.sort(s[r], dim=-1, descending=True, stable=True).indices[:, :k_max]  # best first
         keep.append([top[h, : int(counts[r, h])].sort().values for h in range(s.shape[1])])
     return keep
+
+
+def keep_within_limits(
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    limits: list[int | None],
+    scores: torch.Tensor,
+    window_of: Callable[[int], int],
+    sinks: int,
+) -> tuple[list[list[torch.Tensor]], list[bool]] | None:
+    """What a rectangular layer keeps when rows hold more than ``limits[r]`` entries per head.
+
+    Args:
+        positions: ``[b, h, n]`` (``-1`` invalid); lengths: ``[b, h]`` valid entries per head.
+        limits: per row the entries per head to keep (``None`` = leave the row as it is).
+        scores: ``[b, h, n]``; the window (``window_of(limit)`` last entries) and ``sinks`` are kept.
+    Returns:
+        ``(keep_indices, over)`` as :func:`select_keep` gives them and which rows exceeded their
+        limit, or ``None`` when no row did.
+    """
+    over = [lim is not None and int(lengths[r].max()) > lim for r, lim in enumerate(limits)]
+    if not any(over):
+        return None
+    valid = positions >= 0
+    protected = torch.zeros_like(valid)
+    budgets = lengths.clone()
+    for r, limit in enumerate(limits):
+        if over[r]:
+            protected[r] = protected_mask(positions[r : r + 1], window_of(limit), sinks)[0]
+            budgets[r] = limit
+    return select_keep(scores, budgets, valid, protected), over

@@ -12,7 +12,7 @@ from kvbudget.errors import KVBudgetError, UnknownMethodError
 from kvbudget.merging import cam_merge
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import keep_within_limits
 
 
 @dataclass
@@ -97,19 +97,13 @@ class CaM(Method):
         """Keep sinks + recent in rows holding more than ``limits[r]`` per head, merging the values."""
         if layer.is_ragged:
             raise KVBudgetError("cam keeps every KV head of a layer at one size; got a per-head layout")
-        lengths = layer.head_lengths().cpu()
-        over = [lim is not None and int(lengths[r].max()) > lim for r, lim in enumerate(limits)]
-        if not any(over):
+        chosen = keep_within_limits(
+            layer.positions, layer.head_lengths().cpu(), limits, layer.positions.float(), self.window_for,
+            self.sinks,
+        )  # fmt: skip
+        if chosen is None:
             return
-        positions = layer.positions
-        valid = positions >= 0
-        protected = torch.zeros_like(valid)
-        budgets = lengths.clone()
-        for r, limit in enumerate(limits):
-            if over[r]:
-                protected[r] = protected_mask(positions[r : r + 1], self.window_for(limit), self.sinks)[0]
-                budgets[r] = limit
-        keep = select_keep(positions.float(), budgets, valid, protected)
+        keep, over = chosen
         new_values = {
             r: self._merged_values(layer, layer_idx, r, keep[r], limit)
             for r, limit in enumerate(limits)

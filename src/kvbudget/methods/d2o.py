@@ -14,7 +14,7 @@ from kvbudget.errors import KVBudgetError, UnknownMethodError
 from kvbudget.merging import d2o_merge
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import keep_within_limits
 
 
 @dataclass
@@ -175,19 +175,14 @@ class D2O(Method):
             raise KVBudgetError(
                 f"{self.name} keeps every KV head of a layer at one size; got a per-head layout"
             )
-        lengths = layer.head_lengths().cpu()  # [b, h]
-        over = [lim is not None and int(lengths[r].max()) > lim for r, lim in enumerate(limits)]
-        if not any(over):
+        chosen = keep_within_limits(
+            layer.positions, layer.head_lengths().cpu(), limits, layer.state[self.state_name],
+            self.recent_for, self.sinks,
+        )  # fmt: skip
+        if chosen is None:
             return
-        positions = layer.positions
-        valid = positions >= 0
-        protected = torch.zeros_like(valid)
-        budgets = lengths.clone()
-        for r, limit in enumerate(limits):
-            if over[r]:
-                protected[r] = protected_mask(positions[r : r + 1], self.recent_for(limit), self.sinks)[0]
-                budgets[r] = limit
-        keep = select_keep(layer.state[self.state_name], budgets, valid, protected)
+        keep, over = chosen
+        valid = layer.positions >= 0
         merged = {}
         if self.merge:
             taus = self._run["tau"].setdefault(layer_idx, {})

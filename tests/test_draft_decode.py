@@ -20,7 +20,7 @@ NO_EOS: set[int] = set()
 def _compressed(model, tokenizer, name: str, budget: int = 40):
     prompt = build_prompt(tokenizer, CONTEXT, "What does the fox do?")
     inputs = prefill_inputs([prompt], tokenizer.pad_token_id)
-    cache, logits = derive(model, take_snapshot(model, inputs), small(name), budget=budget)
+    cache, logits, *_ = derive(model, take_snapshot(model, inputs), small(name), budget=budget)
     return cache, logits, inputs
 
 

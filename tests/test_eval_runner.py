@@ -48,11 +48,12 @@ def test_shared_prefill_predictions_are_bit_identical(tmp_path):
 
 
 def test_shared_prefill_is_bit_identical_for_every_stage(tmp_path):
-    """Lookahead (laq++), post-prefill + decode with merging (d2o), prune (asl: its own prefill in
-    both modes), profiled (baklava) and cascading (lava) methods, plus draft decoding across them."""
+    """Lookahead (laq++), post-prefill + decode with merging (d2o), prune (one-pass asl and two-pass
+    gemfilter: derived from the snapshot's hidden states when shared), profiled (baklava) and
+    cascading (lava) methods, plus draft decoding across them."""
     methods = [
         "full", "laq++:window=4,kernel=3,steps=3,lookahead_window=4", "d2o", "asl:window=4,kernel=3,tau=1.5",
-        "baklava", "lava:window=4,kernel=3",
+        "gemfilter:kernel=3", "baklava", "lava:window=4,kernel=3",
     ]  # fmt: skip
     shared = _run(tmp_path / "shared", shared=True, methods=methods, budgets=[24], limit=2)
     alone = _run(tmp_path / "alone", shared=False, methods=methods, budgets=[24], limit=2)
@@ -64,6 +65,7 @@ def test_shared_prefill_is_bit_identical_for_every_stage(tmp_path):
         assert (row["prediction"], row["budgets"]) == (other["prediction"], other["budgets"]), row["label"]
         assert row["kl"] == pytest.approx(other["kl"], abs=1e-6)
     assert {r["selection_layer"] for r in shared if r["method"] == "asl"} == {1}  # tau > 1: cut at l_min
+    assert all(r["selection_layer"] is not None for r in shared if r["method"] == "gemfilter")
 
 
 def test_rerun_skips_finished_rows_and_report_renders(tmp_path):

@@ -8,6 +8,8 @@ import torch
 import kvbudget
 from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
 from kvbudget.errors import KVBudgetError
+from kvbudget.observation import Observation
+from kvbudget.session import CompressionSession
 from kvbudget.snapshot import derive, take_snapshot
 from method_matrix import ALL_METHODS, PRUNE_METHODS, small
 
@@ -29,11 +31,61 @@ def _layers_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("name", PRUNE_METHODS)
-def test_prune_methods_cannot_derive_from_a_snapshot(name, llama, chat_tokenizer):
-    """A snapshot is one full forward; a prune-stage method changes the forward itself."""
+def test_prune_methods_need_the_hidden_states_in_the_snapshot(name, llama, chat_tokenizer):
+    """A prune-stage method runs its deeper layers from the hidden states where it cuts."""
     inputs = prefill_inputs([build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])], 0)
-    with pytest.raises(KVBudgetError, match="prune-stage"):
+    with pytest.raises(KVBudgetError, match="prune-stage.*hidden_states=True"):
         derive(llama, take_snapshot(llama, inputs), small(name), budget=20)
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+@pytest.mark.parametrize("name", PRUNE_METHODS)
+def test_derived_prune_method_equals_its_own_prefill(name, agnostic, llama, chat_tokenizer):
+    """Replaying the snapshot up to the cut and running the deeper layers on the kept tokens gives
+    the prune prefill's cache, budgets, cut layers and answers bit for bit (a padded batch)."""
+    budget = 24
+    prompts = [build_prompt(chat_tokenizer, c, q) for c, q in zip(CONTEXTS, QUESTIONS, strict=True)]
+    eos = eos_ids(llama, chat_tokenizer)
+    own = small(name)
+    session = CompressionSession(own, llama.config.num_hidden_layers, budget=budget)
+    cache, logits, mask, last_pos = kvbudget.engine.prefill(
+        llama, prompts, session, chat_tokenizer.pad_token_id, agnostic, eos
+    )
+    inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id, compress_context_only=agnostic)
+    derived = small(name)
+    d_cache, d_logits, d_mask, d_last = derive(
+        llama, take_snapshot(llama, inputs, hidden_states=True), derived, budget=budget, eos=eos
+    )
+    assert derived.selection_layers == own.selection_layers
+    assert any(layer is not None for layer in own.selection_layers)  # the method did cut
+    assert torch.equal(d_cache.session.budgets, cache.session.budgets)
+    assert torch.equal(d_logits, logits) and torch.equal(d_mask, mask) and torch.equal(d_last, last_pos)
+    assert _layers_equal(d_cache, cache)
+    assert d_cache.session.phase == "decode"
+    ours = decode_loop(llama, d_cache, d_logits, d_mask, d_last, eos, 8).generated
+    assert ours == decode_loop(llama, cache, logits, mask, last_pos, eos, 8).generated
+
+
+def test_derived_runs_share_the_snapshots_attention_statistics(llama, chat_tokenizer, monkeypatch):
+    """Column sums and window probabilities are computed once per snapshot layer, not per run."""
+    inputs = prefill_inputs([build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])], 0)
+    snapshot = take_snapshot(llama, inputs)
+    calls = {"n": 0}
+    original = Observation._probs
+
+    def counting(self, query, visible):
+        calls["n"] += 1
+        return original(self, query, visible)
+
+    monkeypatch.setattr(Observation, "_probs", counting)
+    first, *_ = derive(llama, snapshot, small("d2o"), budget=20)
+    once = calls["n"]
+    second, *_ = derive(llama, snapshot, small("d2o"), budget=30)
+    assert once > 0 and calls["n"] == once  # the second budget reused every layer's column sums
+    alone = CompressionSession(small("d2o"), llama.config.num_hidden_layers, budget=30)
+    cache, *_ = kvbudget.engine.prefill(llama, [build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])],
+                                        alone, 0)
+    assert _layers_equal(second, cache)
 
 
 @pytest.mark.parametrize("agnostic", [False, True])
@@ -48,7 +100,7 @@ def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat
     inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id, compress_context_only=agnostic)
     snapshot = take_snapshot(llama, inputs)
     eos = eos_ids(llama, chat_tokenizer)  # what generate uses (ends a post-prefill method's lookahead)
-    cache, logits = derive(llama, snapshot, small(name), budget=budget, eos=eos)
+    cache, logits, *_ = derive(llama, snapshot, small(name), budget=budget, eos=eos)
     if agnostic:
         prefix = inputs.compressed_until
         assert cache.get_seq_length() == inputs.ids.shape[1] > prefix
@@ -63,10 +115,10 @@ def test_one_snapshot_serves_many_methods_unchanged(llama, chat_tokenizer):
     inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id)
     snapshot = take_snapshot(llama, inputs)
     before = [t.clone() for t in (snapshot.cache.layers[0].keys, snapshot.cache.layers[0].positions)]
-    first, _ = derive(llama, snapshot, small("ada-snapkv"), budget=30)
+    first, *_ = derive(llama, snapshot, small("ada-snapkv"), budget=30)
     for name in ("h2o", "snapkv", "streamingllm"):
         derive(llama, snapshot, small(name), budget=20)
-    again, _ = derive(llama, snapshot, small("ada-snapkv"), budget=30)
+    again, *_ = derive(llama, snapshot, small("ada-snapkv"), budget=30)
     assert _layers_equal(first, again)
     assert torch.equal(before[0], snapshot.cache.layers[0].keys)
     assert torch.equal(before[1], snapshot.cache.layers[0].positions)

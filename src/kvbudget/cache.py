@@ -160,6 +160,13 @@ class BudgetLayer(DynamicLayer):
             return max(k.shape[1] for k in self.head_keys)
         return self.keys.shape[-2]
 
+    def shallow_copy(self) -> BudgetLayer:
+        """A layer sharing this layer's tensors (compression never edits tensors in place)."""
+        layer = BudgetLayer()
+        layer.__dict__.update(self.__dict__)
+        layer.state = dict(self.state)
+        return layer
+
     def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys ``[b, n_h, d]``, values ``[b, n_h, d]`` and positions ``[b, n_h]`` of KV head ``h``."""
         if self.is_ragged:

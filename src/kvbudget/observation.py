@@ -94,8 +94,9 @@ class Observation:
         Computed ``chunk`` queries at a time, so the full ``q × n`` matrix never exists.
         Queries of invalid (pad) tokens contribute nothing.
         """
-        if "colsum" in self._memo:
-            return self._memo["colsum"]
+        key = ("colsum", chunk)
+        if key in self._memo:
+            return self._memo[key]
         q = self.query.shape[2]
         n = self.keys.shape[2]
         total = torch.zeros(
@@ -109,7 +110,7 @@ class Observation:
             probs = self._probs(self.query[:, :, start:stop], visible)
             probs = probs * query_valid[:, None, start:stop, None]
             total[:, :, :visible] += probs.sum(dim=2)
-        self._memo["colsum"] = total
+        self._memo[key] = total
         return total
 
     def _probs(self, query: torch.Tensor, visible: int) -> torch.Tensor:

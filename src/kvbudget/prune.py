@@ -20,6 +20,7 @@ tokens with re-indexed positions ``0..k−1``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from kvbudget.engine import PrefillInputs, append_uncompressed
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.prune_base import PruneMethod
 from kvbudget.session import CompressionSession
+
+if TYPE_CHECKING:
+    from kvbudget.snapshot import Snapshot
 
 
 @dataclass
@@ -115,12 +119,26 @@ def run_layers(
     valid = mask.to(torch.bool)
     slots = torch.arange(seen, seen + ids.shape[1], device=device).expand_as(ids).masked_fill(~valid, -1)
     seq = _Sequence(parts.embed(ids), positions, slots, valid)
+    return _run_from(parts, seq, 0, cache, method, seen + ids.shape[1], False, all_logits)
+
+
+def _run_from(
+    parts: DecoderParts,
+    seq: _Sequence,
+    start: int,
+    cache: BudgetCache,
+    method: PruneMethod | None,
+    total: int,
+    pruned: bool,
+    all_logits: bool = False,
+) -> torch.Tensor | None:
+    """Run ``seq`` through layers ``start..`` into ``cache`` (whose logical length becomes ``total``);
+    ``pruned``: ``seq`` already lost tokens. See :func:`run_layers` for ``method`` and the result."""
     rotary = parts.rotary(seq.hidden, seq.rope)
-    pruned = False
     targets = cache.session.targets if cache.session is not None else None
     try:
-        for layer in parts.layers:
-            cache.pruned_slots = (seq.slots, seen + ids.shape[1]) if pruned else None
+        for layer in parts.layers[start:]:
+            cache.pruned_slots = (seq.slots, total) if pruned else None
             info = PaddingInfo(None if bool(seq.valid.all()) else seq.valid, seq.hidden.shape[1])
             out = layer(
                 seq.hidden, attention_mask=info, position_ids=seq.rope, past_key_values=cache,
@@ -173,9 +191,7 @@ def prune_prefill(
     describes (for two-pass methods: the selected tokens with re-indexed positions; decode from
     their mask and last positions).
     """
-    method = session.method
-    if not isinstance(method, PruneMethod):
-        raise TypeError(f"{method.name} is not a prune-stage method")
+    method = _prune_method(session)
     num_layers = model.config.num_hidden_layers
     method.begin_prune(inputs.ids.shape[0], num_layers)
     cache = BudgetCache(num_layers, session)
@@ -184,7 +200,76 @@ def prune_prefill(
     logits = run_layers(
         model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method
     )
-    if method.two_pass and method.selected:  # else pass 1 ran every layer on every token: it is the prefill
+    return _finish(model, inputs, session, cache, logits)
+
+
+@torch.inference_mode()
+def derive_pruned(
+    model: PreTrainedModel, snapshot: Snapshot, session: CompressionSession
+) -> tuple[BudgetCache, torch.Tensor, PrefillInputs]:
+    """What :func:`prune_prefill` returns, from a snapshot taken with ``hidden_states=True``.
+
+    Up to and including the layer where a one-pass method cuts, every token runs exactly as in
+    the full prefill, so those layers replay the snapshot (its queries and uncompressed layers go
+    to the method as the attention hook would give them); the kept tokens' hidden states after
+    that layer come from the snapshot and only the deeper layers run. A two-pass method scouts on
+    the snapshot and runs its second pass as usual. A method that never cuts runs no forward.
+    """
+    method = _prune_method(session)
+    inputs = snapshot.inputs
+    num_layers = model.config.num_hidden_layers
+    method.begin_prune(inputs.ids.shape[0], num_layers)
+    cache = BudgetCache(num_layers, session)
+    cache.attention_attached = True
+    session.phase = "prefill"
+    logits: torch.Tensor | None = snapshot.logits
+    for layer_idx, layer in enumerate(snapshot.cache.layers):
+        cache.layers[layer_idx] = layer.shallow_copy()
+        session.after_attention(
+            layer_idx, snapshot.queries[layer_idx], cache.layers[layer_idx], snapshot.scaling, cache.layers
+        )
+        cache.note_memory(layer_idx)
+        if method.two_pass:
+            if method.selected and method.scouting_done(session.targets):
+                logits = None
+                break
+            continue
+        cuts = method.take_cuts()
+        if cuts:
+            session.observation_memos = None  # deeper layers see only the kept tokens
+            parts = decoder_parts(model)
+            cut = inputs.compressed_until
+            device = parts.embed.weight.device
+            valid = inputs.mask[:, :cut].to(device, torch.bool)
+            slots = torch.arange(cut, device=device).expand_as(valid).masked_fill(~valid, -1)
+            rope = inputs.positions[:, :cut].to(device)
+            seq = _Sequence(snapshot.hidden[layer_idx], rope, slots, valid).cut(cuts)
+            logits = _run_from(parts, seq, layer_idx + 1, cache, method, cut, True)
+            break
+    session.observation_memos = None
+    return _finish(model, inputs, session, cache, logits)
+
+
+def _prune_method(session: CompressionSession) -> PruneMethod:
+    method = session.method
+    if not isinstance(method, PruneMethod):
+        raise TypeError(f"{method.name} is not a prune-stage method")
+    return method
+
+
+def _finish(
+    model: PreTrainedModel,
+    inputs: PrefillInputs,
+    session: CompressionSession,
+    cache: BudgetCache,
+    logits: torch.Tensor | None,
+) -> tuple[BudgetCache, torch.Tensor, PrefillInputs]:
+    """After the first pass: a two-pass method that selected runs its second pass over the selected
+    tokens (else pass 1 ran every layer on every token: it is the prefill); then the uncompressed
+    question is appended."""
+    method = _prune_method(session)
+    num_layers = model.config.num_hidden_layers
+    if method.two_pass and method.selected:
         inputs = _second_pass_inputs(inputs, method.selected)
         method.begin_second_pass()
         session.budgets = None

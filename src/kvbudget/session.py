@@ -48,6 +48,10 @@ class CompressionSession:
         decode_seconds: time spent trimming during decoding.
         recorded_queries: per layer, post-RoPE queries ``[b, q_heads, m, d]`` (all of them in
             ``"record"`` phase; the last ``method.queries_to_record()`` in ``"prefill"`` phase).
+        observation_memos: per layer, the memo of the prefill :class:`Observation` (window
+            probabilities, column sums), shared with other sessions that observe the very same
+            queries and uncompressed layer — the runs :func:`kvbudget.snapshot.derive` makes from
+            one snapshot. ``None`` (the default): each observation starts empty.
     """
 
     def __init__(
@@ -67,6 +71,14 @@ class CompressionSession:
         self.reselect_seconds = 0.0
         self.recorded_queries: dict[int, torch.Tensor] = {}
         self.scaling: float | None = None
+        self.observation_memos: dict[int, dict] | None = None
+
+    def _prefill_observation(
+        self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float
+    ) -> Observation:
+        memos = self.observation_memos
+        memo = {} if memos is None else memos.setdefault(layer_idx, {})
+        return Observation(layer_idx, self.num_layers, query, layer, scaling, memo)
 
     def resolve(self, lengths: torch.Tensor) -> None:
         """Set ``row_budgets`` and ``targets`` from the valid prompt ``lengths: [b]``."""
@@ -102,7 +114,7 @@ class CompressionSession:
                 self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]
                 self.scaling = scaling
             if "prefill" in stages or "prune" in stages:
-                obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+                obs = self._prefill_observation(layer_idx, query, layer, scaling)
                 if self.targets is None:
                     self.resolve(obs.lengths)
                 kept = self.method.compress(obs, self.targets)
@@ -114,7 +126,7 @@ class CompressionSession:
                 if self.targets is None:
                     self.resolve(layer.head_lengths()[:, 0])
                 if "post_prefill" in stages:
-                    obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+                    obs = self._prefill_observation(layer_idx, query, layer, scaling)
                     self.method.record(obs, self.targets)
                 kept = layer.head_lengths().cpu()
             if self.budgets is None:

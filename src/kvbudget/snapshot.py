@@ -1,28 +1,38 @@
 """Shared prefill: prefill once, derive every (method, budget) cache from the snapshot.
 
-Every method that acts after a layer's attention (all but the prune stage, which :func:`derive`
-refuses) compresses a layer
-from that layer's post-RoPE queries, keys and values, which do not depend on how earlier layers
-were compressed (each layer's attention output is computed on its full cache first). So the
-compressed cache is the same whether compression runs inside the prefill or later from a
-snapshot of the full prefill — and the prompt's last logits are the full cache's in both cases.
-The evaluation runner prefills each sample once and calls :func:`derive` per (method, budget).
+Every method that acts after a layer's attention compresses a layer from that layer's post-RoPE
+queries, keys and values, which do not depend on how earlier layers were compressed (each layer's
+attention output is computed on its full cache first). So the compressed cache is the same whether
+compression runs inside the prefill or later from a snapshot of the full prefill — and the
+prompt's last logits are the full cache's in both cases. The evaluation runner prefills each sample
+once and calls :func:`derive` per (method, budget).
+
+Prune-stage methods change the forward only after the layer where they cut: up to and including
+that layer every token runs, exactly as in the full prefill. A snapshot taken with
+``hidden_states=True`` also keeps each layer's output hidden states, so :func:`derive` replays a
+prune method over the snapshot's layers until it cuts, then runs only the deeper layers on the
+kept tokens (:func:`kvbudget.prune.derive_pruned`); a method that never cuts costs no forward.
+
+Derived runs share the snapshot's per-layer observation memo (window probabilities, attention
+column sums): they observe the same queries and uncompressed layers, so each is computed once per
+snapshot instead of once per (method, budget).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
-from kvbudget.cache import BudgetCache, BudgetLayer
+from kvbudget.cache import BudgetCache
 from kvbudget.engine import PrefillInputs, append_uncompressed, prefill_compressed_part, run_lookahead
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.full import FullCache
+from kvbudget.prune import decoder_parts, derive_pruned
 from kvbudget.session import CompressionSession
 
 
@@ -37,6 +47,9 @@ class Snapshot:
         scaling: the attention's softmax scale.
         logits: last-position logits ``[b, vocab]`` of the compressed part.
         seconds: wall time of the prefill.
+        hidden: per layer, its output hidden states ``[b, n, hidden]`` (with ``hidden_states=True``
+            only: prune-stage methods derive from them).
+        memos: per layer, the prefill observation memo shared by every derived run.
     """
 
     inputs: PrefillInputs
@@ -45,6 +58,8 @@ class Snapshot:
     scaling: float
     logits: torch.Tensor
     seconds: float
+    hidden: list[torch.Tensor] | None = None
+    memos: dict[int, dict] = field(default_factory=dict)
 
     @property
     def agnostic(self) -> bool:
@@ -52,25 +67,37 @@ class Snapshot:
 
 
 @torch.inference_mode()
-def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs) -> Snapshot:
-    """Prefill ``inputs``' compressed part with the full cache, recording every layer's queries."""
+def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs, hidden_states: bool = False) -> Snapshot:
+    """Prefill ``inputs``' compressed part with the full cache, recording every layer's queries.
+
+    ``hidden_states``: also keep each decoder layer's output (``layers × n × hidden`` floats more),
+    so prune-stage methods can derive from the snapshot too.
+    """
     attach(model)
     recorder = CompressionSession(FullCache(), model.config.num_hidden_layers, budget=1)
     recorder.phase = "record"
     cache = BudgetCache(model.config.num_hidden_layers, recorder)
+    hidden: list[torch.Tensor] = []
+    hooks = []
+    if hidden_states:
+        for layer in decoder_parts(model).layers:  # removed below: the model is left as it was
+            hooks.append(layer.register_forward_hook(lambda _m, _a, out: hidden.append(_first(out))))
     start = time.perf_counter()
-    logits = prefill_compressed_part(model, inputs, cache)
+    try:
+        logits = prefill_compressed_part(model, inputs, cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
     seconds = time.perf_counter() - start
     cache.session = None
-    return Snapshot(inputs, cache, recorder.recorded_queries, recorder.scaling, logits, seconds)
+    return Snapshot(
+        inputs, cache, recorder.recorded_queries, recorder.scaling, logits, seconds,
+        hidden if hidden_states else None,
+    )  # fmt: skip
 
 
-def shallow_copy(source: BudgetLayer) -> BudgetLayer:
-    """A layer sharing ``source``'s tensors (compression never edits tensors in place)."""
-    layer = BudgetLayer()
-    layer.__dict__.update(source.__dict__)
-    layer.state = dict(source.state)
-    return layer
+def _first(out: torch.Tensor | tuple) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
 
 
 @torch.inference_mode()
@@ -81,27 +108,38 @@ def derive(
     budget: int | None = None,
     ratio: float | None = None,
     eos: set[int] | None = None,
-) -> tuple[BudgetCache, torch.Tensor]:
+) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cache ``method`` would have built during the prefill, from ``snapshot``.
+
+    Prune-stage methods need a snapshot taken with ``hidden_states=True``; a two-pass method that
+    selects decodes from re-indexed positions (see :func:`kvbudget.prune.derive_pruned`).
 
     Post-prefill methods (the lookahead) then run on the derived full cache exactly as after a
     layer-wise prefill; ``eos`` (default: the model's) ends their lookahead — pass the same set as
     the layer-wise run (``generate`` uses the model's and the tokenizer's).
 
-    Returns the compressed cache (its session in decode phase; for question-agnostic snapshots
-    the question has been appended uncompressed) and the last-position logits to decode from.
+    Returns, like :func:`kvbudget.engine.prefill`, the compressed cache (its session in decode
+    phase; for question-agnostic snapshots the question has been appended uncompressed), the
+    last-position logits ``[b, vocab]``, the attention mask ``[b, T]`` and each row's last
+    position ``[b]`` to decode from (for a two-pass method that selected: its re-indexed tokens').
     """
-    if "prune" in method.stages:
-        raise KVBudgetError(
-            f"{method.name} is a prune-stage method: it changes the prefill forward, so it cannot be "
-            "derived from a snapshot of the full prefill; prefill with it (kvbudget.engine.prefill)"
-        )
     num_layers = model.config.num_hidden_layers
     method.prepare(model)
     session = CompressionSession(method, num_layers, budget=budget, ratio=ratio)
+    session.observation_memos = snapshot.memos
+    if "prune" in method.stages:
+        if snapshot.hidden is None:
+            raise KVBudgetError(
+                f"{method.name} is a prune-stage method: it changes the prefill forward after the layer "
+                "where it cuts, so it derives from a snapshot only with the layers' hidden states — "
+                "take it with take_snapshot(..., hidden_states=True)"
+            )
+        cache, logits, inputs = derive_pruned(model, snapshot, session)
+        session.phase = "decode"
+        return cache, logits, inputs.mask, inputs.positions[:, -1]
     cache = BudgetCache(num_layers, session)
     cache.attention_attached = True
-    cache.layers = [shallow_copy(layer) for layer in snapshot.cache.layers]
+    cache.layers = [layer.shallow_copy() for layer in snapshot.cache.layers]
     session.phase = "prefill"
     for layer_idx, layer in enumerate(cache.layers):
         session.after_attention(layer_idx, snapshot.queries[layer_idx], layer, snapshot.scaling, cache.layers)
@@ -110,4 +148,5 @@ def derive(
     run_lookahead(model, snapshot.inputs, cache, snapshot.logits, eos)
     logits = append_uncompressed(model, snapshot.inputs, cache)
     session.phase = "decode"
-    return cache, snapshot.logits if logits is None else logits
+    inputs = snapshot.inputs
+    return cache, snapshot.logits if logits is None else logits, inputs.mask, inputs.positions[:, -1]

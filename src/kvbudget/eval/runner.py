@@ -2,8 +2,10 @@
 
 Shared prefill (default): each sample is prefilled once with the full cache
 (:func:`kvbudget.snapshot.take_snapshot`); the full-cache answer, its teacher-forced
-log-probabilities and every (method, budget) cache derive from that snapshot — except prune-stage
-methods (ASL, FastKV, GemFilter, PyramidInfer), which change the prefill forward and run their own. With
+log-probabilities and every (method, budget) cache derive from that snapshot. Prune-stage methods
+(ASL, FastKV, GemFilter, PyramidInfer) change the prefill forward only after the layer where they
+cut: when the grid has one, the snapshot keeps each layer's hidden states and such a method runs
+only its deeper layers on the kept tokens (:func:`kvbudget.prune.derive_pruned`). With
 ``shared=False`` every run prefills on its own (layer-wise compression, as ``generate`` does) —
 the two give bit-identical predictions; the shared one is several times faster.
 
@@ -194,7 +196,8 @@ class Runner:
             return
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
-        snapshot = take_snapshot(self.model, inputs) if self.config.shared else None
+        prune = any("prune" in spec.build().stages for spec, _ in pending)  # they derive from hidden states
+        snapshot = take_snapshot(self.model, inputs, hidden_states=prune) if self.config.shared else None
         reference = self._run_one(snapshot, prompt, sample, make_method("full"), None, teacher=None)
         answers: list[list[int]] = []  # earlier runs' answers: drafts for the later ones
         for spec, budget in pending:
@@ -224,19 +227,13 @@ class Runner:
         candidates: list[list[int]] = (),
     ) -> RunOutcome:
         """Generate with one method; with ``teacher``, also its log-probs on the teacher's answer."""
-        if "prune" in method.stages:
-            snapshot = None  # a prune-stage method changes the prefill forward: it runs its own
-        inputs = (
-            snapshot.inputs
-            if snapshot
-            else prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
-        )
         budget = budget if budget is not None else len(prompt.ids)
         start = time.perf_counter()
         if snapshot is not None:
-            cache, logits = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
+            cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
             prefill_s = snapshot.seconds
-            mask, last_pos = inputs.mask, inputs.positions[:, -1]
+            if "prune" in method.stages:  # plus the deeper layers it ran on the kept tokens
+                prefill_s += time.perf_counter() - start - cache.session.compress_seconds
         else:
             session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
             cache, logits, mask, last_pos = kvbudget.engine.prefill(

@@ -236,8 +236,6 @@ class LookaheadMixin:
         [b, T]`` and ``last_pos: [b]`` are the prompt's padding mask and last positions. A row
         stops before feeding an EOS token; decoding stops when every row has.
         """
-        from kvbudget.snapshot import shallow_copy  # snapshot imports the engine, which imports us
-
         session = cache.session
         num_layers = len(cache.layers)
         if self.lookahead_budget:
@@ -247,7 +245,7 @@ class LookaheadMixin:
         capture = QueryCapture(self.lookahead(), num_layers, budget=budget, ratio=ratio)
         clone = BudgetCache(num_layers, capture)
         clone.attention_attached = True
-        clone.layers = [shallow_copy(layer) for layer in cache.layers]
+        clone.layers = [layer.shallow_copy() for layer in cache.layers]
         for layer_idx, layer in enumerate(clone.layers):  # compress the clone as its prefill would have
             capture.after_attention(
                 layer_idx, session.recorded_queries[layer_idx], layer, session.scaling, clone.layers

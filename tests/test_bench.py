@@ -206,3 +206,13 @@ def test_fit_prompt_hits_the_requested_total_length() -> None:
     for length in (300, 1000):
         prompt = fit_prompt(tokenizer, "needle", length)
         assert length - 15 <= len(prompt.ids) <= length
+
+
+def test_peer_question_aware_compresses_the_question_too() -> None:
+    model = tiny_model("llama")
+    sample = {"id": "x", "context_ids": list(range(3, 90)) * 2, "question_ids": [5, 6, 7, 8], "eos_ids": [],
+              "max_new_tokens": 6}  # fmt: skip
+    row = run_ours(model, sample, "snapkv", 40, question_aware=True)
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert row["kept_entries"] == row["allocated_entries"] == layers * heads * 40
+    assert row["final_entries"] == layers * heads * (40 + 5)  # the question was compressed with the context

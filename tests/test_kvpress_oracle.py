@@ -79,3 +79,24 @@ def test_default_snapkv_differs_from_kvpress(oracle: dict) -> None:
     """The comparison has teeth: our paper defaults (window 32, maxpool 7, sum) keep other entries."""
     ours = our_indices(oracle["model"], oracle["ids"]["s1"], "snapkv", 100)
     assert ours != oracle["kept"][("s1", 100)]
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_answers_match_kvpress_end_to_end(oracle: dict, tmp_path: Path, aware: bool) -> None:
+    """`bench peer`'s two paths — kvpress's runner and our `run_ours` — decode the same tokens,
+    question-agnostic and question-aware, for SnapKV with kvpress's settings."""
+    from kvbudget.bench.peer import run_kvpress, run_ours
+
+    model = oracle["model"]
+    sample = {"id": "q", "context_ids": oracle["ids"]["s1"], "question_ids": _ids(7)[:12], "eos_ids": [],
+              "max_new_tokens": 6}  # fmt: skip
+    (tmp_path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    job = {**PEERS["snapkv"][1], "method": "snapkv", "budget": 90, "question_aware": aware}
+    model.save_pretrained(tmp_path / "model")
+    files = tmp_path / "model", tmp_path / "samples.jsonl"
+    theirs = run_kvpress(PEER, *files, [job], tmp_path / "o.jsonl", "float32")
+    ours = run_ours(model, sample, "snapkv", 90, question_aware=aware)
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert theirs[0]["kept_entries"] == ours["kept_entries"] == layers * heads * 90
+    assert len(ours["token_ids"]) == 6
+    assert ours["token_ids"] == theirs[0]["token_ids"]

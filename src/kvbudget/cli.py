@@ -389,11 +389,16 @@ def bench_peer(
         Path, typer.Option(help="Python of the kvpress environment (`make peer`).")
     ] = Path(".venv-peer/bin/python"),
     out: Annotated[Path, typer.Option(help="Output directory (peer.json, peer.md).")] = Path("runs/peer"),
+    question_aware: Annotated[
+        bool, typer.Option(help="Compress context and question together (default: the context only).")
+    ] = False,
 ) -> None:
     """The same samples through kvpress presses and our methods with matching settings."""
     from kvbudget.bench.peer import PeerConfig, run_peer
 
-    config = PeerConfig(model=model, limit=limit, dtype=dtype, peer_python=str(peer_python))
+    config = PeerConfig(
+        model=model, limit=limit, dtype=dtype, peer_python=str(peer_python), question_aware=question_aware
+    )
     config.tasks = _split(tasks) or config.tasks
     config.lengths = _ints(lengths, "lengths") or config.lengths
     config.methods = _split(methods) or config.methods

@@ -5,7 +5,9 @@ transformers), reads ``samples.jsonl`` (token ids already built by kvbudget's ta
 chat template) and ``jobs.json`` (press name, options, budget), and writes one JSON line per
 (sample, job) to ``--out``. The decode mirrors kvpress's own pipeline: the context is prefilled
 by the model body inside ``with press(model)``, then the question is fed at its true positions
-and tokens are chosen greedily until an EOS id (given by the caller) or ``max_new_tokens``.
+and tokens are chosen greedily until an EOS id (given by the caller) or ``max_new_tokens``. A job
+with ``"question_aware": true`` prefills context and question together inside the press instead
+(the press then sees the question: its window holds the question's tokens).
 
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
@@ -61,16 +63,24 @@ def run_one(model, sample: dict, job: dict) -> dict:
     ctx = torch.tensor([sample["context_ids"]])
     question = torch.tensor([sample["question_ids"]])
     eos = set(sample["eos_ids"])
+    aware = bool(job.get("question_aware"))
+    if aware:
+        ctx, question = torch.cat([ctx, question], 1), question[:, :0]
     press = make_press(job, ctx.shape[1])
     model.set_attn_implementation(job.get("attn", "sdpa"))
     cache = DynamicCache()
     start = time.perf_counter()
     with press(model):
-        model.model(input_ids=ctx, past_key_values=cache)
+        out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1) if aware else None
+        if not aware:
+            model.model(input_ids=ctx, past_key_values=cache)
     compressed = time.perf_counter()
     kept, allocated = cache_entries(cache, model)
     positions = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
-    out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+    if not aware:
+        out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+    else:
+        positions = torch.tensor([[ctx.shape[1] - 1]])
     token = out.logits[0, -1].argmax()
     generated = [int(token)]
     pos = positions[:, -1:]

@@ -2,8 +2,9 @@
 
 Samples come from kvbudget's task generators and are exported as token ids (chat template,
 context / question split) to ``DIR/samples.jsonl``, so both libraries read identical tokens.
-Both run question-agnostic, as kvpress does: the context is prefilled and compressed, the
-question appended uncompressed, then greedy decoding with the same EOS ids — and compression
+Both run question-agnostic by default, as kvpress's pipeline does: the context is prefilled and
+compressed, the question appended uncompressed, then greedy decoding with the same EOS ids
+(``question_aware``: context and question are prefilled and compressed together) — and compression
 happens only in the prefill (our decode-stage methods are run with the session detached after
 the prefill, since kvpress presses do not evict while decoding). kvpress runs in its own
 environment (``make peer`` → ``.venv-peer``) through the standalone
@@ -77,6 +78,7 @@ class PeerConfig:
     dtype: str = "float32"
     seed: int = 0
     peer_python: str = ".venv-peer/bin/python"
+    question_aware: bool = False
 
     def validate(self) -> None:
         unknown = [m for m in self.methods if m not in PEERS]
@@ -110,8 +112,11 @@ def export_samples(config: PeerConfig, tokenizer, eos: set[int], path: Path) -> 
     return rows
 
 
-def run_ours(model, sample: dict[str, Any], method: str, budget: int) -> dict[str, Any]:
-    """One sample through our method: question-agnostic prefill, compression in the prefill only."""
+def run_ours(
+    model, sample: dict[str, Any], method: str, budget: int, question_aware: bool = False
+) -> dict[str, Any]:
+    """One sample through our method: question-agnostic prefill (or ``question_aware``: context and
+    question compressed together), compression in the prefill only."""
     import torch
 
     from kvbudget.engine import Prompt, decode_loop, prefill
@@ -123,7 +128,9 @@ def run_ours(model, sample: dict[str, Any], method: str, budget: int) -> dict[st
     prompt = Prompt(sample["context_ids"], sample["question_ids"])
     with torch.inference_mode():
         start = time.perf_counter()
-        cache, logits, mask, last = prefill(model, [prompt], session, 0, compress_context_only=True)
+        cache, logits, mask, last = prefill(
+            model, [prompt], session, 0, compress_context_only=not question_aware
+        )
         prefilled = time.perf_counter()
         stats = cache.stats()
         cache.session = None  # kvpress presses evict only in the prefill
@@ -131,9 +138,10 @@ def run_ours(model, sample: dict[str, Any], method: str, budget: int) -> dict[st
         decoded = decode_loop(model, cache, logits, mask, last, eos, sample["max_new_tokens"])
         end = time.perf_counter()
         final = cache.stats()
-    # count the compressed context only (kvpress's count is taken before the question is fed)
+    # question-agnostic: count the compressed context only (kvpress counts before the question is fed)
     entry = cache.layers[0].entry_bytes()
-    question = model.config.num_hidden_layers * model.config.num_key_value_heads * len(sample["question_ids"])
+    appended = 0 if question_aware else len(sample["question_ids"])
+    question = model.config.num_hidden_layers * model.config.num_key_value_heads * appended
     return {
         "sample": sample["id"], "method": method, "budget": budget, "token_ids": decoded.generated[0],
         "wall_s": end - start, "prefill_s": prefilled - start, "compress_s": session.compress_seconds,
@@ -212,7 +220,8 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: dict[str,
         "# kvbudget vs kvpress",
         "",
         f"Model `{config.model}` ({config.dtype}); tasks {', '.join(config.tasks)}; lengths "
-        f"{', '.join(map(str, config.lengths))}; {config.limit} samples each; question-agnostic, compression "
+        f"{', '.join(map(str, config.lengths))}; {config.limit} samples each; "
+        f"{'question-aware' if config.question_aware else 'question-agnostic'}, compression "
         f"in the prefill only, greedy. {versions}.",
         "",
         "| ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer | "
@@ -247,17 +256,21 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     eos = eos_ids(model, tokenizer)
     samples = export_samples(config, tokenizer, eos, out / "samples.jsonl")
     jobs = [
-        {**PEERS[m][1], "method": m, "budget": b} for m in config.methods for b in config.budgets
+        {**PEERS[m][1], "method": m, "budget": b, "question_aware": config.question_aware}
+        for m in config.methods
+        for b in config.budgets
     ]
     say(f"kvpress: {len(samples)} samples × {len(jobs)} presses")
     theirs = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
                          out / "kvpress.jsonl", config.dtype)  # fmt: skip
     say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods")
-    run_ours(model, {**samples[0], "max_new_tokens": 2}, jobs[0]["method"], jobs[0]["budget"])  # warm-up
+    aware = config.question_aware
+    warmup = {**samples[0], "max_new_tokens": 2}
+    run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], aware)
     ours = []
     for sample in samples:
         for job in jobs:
-            ours.append(run_ours(model, sample, job["method"], job["budget"]))
+            ours.append(run_ours(model, sample, job["method"], job["budget"], aware))
     (out / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
     rows = summarise(samples, ours, theirs, tokenizer)
     versions = subprocess.run(

@@ -190,6 +190,7 @@ def test_worker_measures_a_real_run() -> None:
     assert row["logical_bytes"] == row["physical_bytes"] == 64 * per_token
     # two generated tokens are appended while decoding (snapkv evicts only in the prefill)
     assert row["decode_kv_bytes"] == row["logical_bytes"] + 2 * per_token
+    assert row["decode_kv_allocated_bytes"] == row["logical_bytes"] + (2 + 32) * per_token  # room to append
     assert row["weight_bytes"] == weight_bytes(model)
     assert row["peak_rss_bytes"] > row["weight_bytes"]
     assert row["decode_steps"] == 2 and row["tpot_s"] > 0 and row["ttft_s"] > row["compress_s"] > 0

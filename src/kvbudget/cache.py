@@ -35,6 +35,48 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass
+class _Storage:
+    """Rectangular storage with room to append in place: ``keys/values: [b, h, capacity, d]``,
+    ``positions: [b, h, capacity]``; ``owner`` is the only layer that may write to it."""
+
+    owner: BudgetLayer
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def like(cls, layer: BudgetLayer, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> _Storage:
+        b, h = keys.shape[:2]
+        return cls(
+            layer,
+            keys.new_empty((b, h, capacity, keys.shape[-1])),
+            values.new_empty((b, h, capacity, values.shape[-1])),
+            torch.empty((b, h, capacity), dtype=torch.long, device=keys.device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def backs(self, layer: BudgetLayer) -> bool:
+        """``layer``'s tensors are leading views of this storage (not replaced since)."""
+        pairs = (layer.keys, self.keys), (layer.values, self.values), (layer.positions, self.positions)
+        return all(
+            t.data_ptr() == own.data_ptr() and t.shape[:2] == own.shape[:2] and t.stride() == own.stride()
+            for t, own in pairs
+        )
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        stop = start + keys.shape[2]
+        self.keys[:, :, start:stop] = keys
+        self.values[:, :, start:stop] = values
+        self.positions[:, :, start:stop] = positions
+
+    def view(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n]
+
+
 class BudgetLayer(DynamicLayer):
     """One decoder layer's compressed KV store (see the module docstring for the layouts).
 
@@ -55,6 +97,7 @@ class BudgetLayer(DynamicLayer):
         self.positions: torch.Tensor | list[torch.Tensor] | None = None
         self.state: dict[str, Any] = {}
         self.has_invalid = False
+        self._storage: _Storage | None = None
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -98,12 +141,34 @@ class BudgetLayer(DynamicLayer):
                 self.state[name] = [torch.cat([s, s.new_zeros(b, q)], dim=1) for s in per_head]
             empty = key_states.new_empty((b, h, 0, key_states.shape[-1]))
             return empty, empty
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_pos[:, None, :].expand(b, h, q)], dim=-1)
+        self._append_rectangular(key_states, value_states, new_pos[:, None, :].expand(b, h, q))
         for name, s in self.state.items():
             self.state[name] = torch.cat([s, s.new_zeros(b, h, q)], dim=-1)
         return self.keys, self.values
+
+    def _append_rectangular(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``[b, h, q, d]`` keys/values and ``[b, h, q]`` positions to the rectangular layout.
+
+        The layer's tensors are views of storage it owns (:class:`_Storage`) with room to append in
+        place: a decode step writes one slot instead of copying the whole layer (``torch.cat`` of a
+        long cache costs a full copy plus fresh pages every step). Storage is sized exactly for the
+        first append after the tensors were replaced (a prefill, a compression); an append that
+        does not fit storage this layer filled itself grows it by ``max(32, n / 16)`` slots of
+        slack, so decoding copies the layer only every few dozen tokens. Storage shared with a
+        :meth:`shallow_copy` is never written: the copy allocates its own on its first append.
+        """
+        n, q = self.keys.shape[2], keys.shape[2]
+        storage = self._storage
+        ours = storage is not None and storage.owner is self and storage.backs(self)
+        if ours and n + q <= storage.capacity:
+            storage.write(n, keys, values, positions)
+        else:
+            capacity = n + q + (max(32, (n + q) // 16) if ours else 0)
+            storage = _Storage.like(self, keys, values, capacity)
+            storage.write(0, self.keys, self.values, self.positions)
+            storage.write(n, keys, values, positions)
+            self._storage = storage
+        self.keys, self.values, self.positions = storage.view(n + q)
 
     def get_seq_length(self) -> int:
         """Logical length: tokens seen, not tokens stored."""
@@ -326,6 +391,15 @@ class BudgetLayer(DynamicLayer):
         return self.head_lengths().sum(0)
 
     def physical_bytes(self) -> int:
+        """Bytes allocated for this layer's keys and values (with the unused room of storage it owns)."""
+        storage = self._storage
+        if self.is_initialized and not self.is_ragged and storage is not None and storage.owner is self:
+            if storage.backs(self):
+                return _bytes(storage.keys) + _bytes(storage.values)
+        return self.held_bytes()
+
+    def held_bytes(self) -> int:
+        """Bytes of the key/value entries the layer holds (pads included): what attention reads."""
         if not self.is_initialized:
             return 0
         if self.is_ragged:

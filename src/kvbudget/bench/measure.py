@@ -124,7 +124,8 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
         "kv_peak_bytes": after_decode.extra["peak_physical_bytes"],
         "logical_bytes": after_prefill.logical_bytes,
         "physical_bytes": after_prefill.physical_bytes,
-        "decode_kv_bytes": after_decode.physical_bytes,
+        "decode_kv_bytes": sum(layer.held_bytes() for layer in cache.layers),  # what a step reads
+        "decode_kv_allocated_bytes": after_decode.physical_bytes,
         "weight_bytes": weight_bytes(model),
         "threads": torch.get_num_threads(),
     }

@@ -16,7 +16,7 @@ from kvbudget.allocation import (
 from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.cascade import LayerwiseMethod
 from kvbudget.observation import Observation, reduce_group
-from kvbudget.scoring import pool_keys, value_norms
+from kvbudget.scoring import max_l1_value_norm, pool_keys
 
 
 @dataclass
@@ -84,8 +84,7 @@ class LAVa(LayerwiseMethod):
         rows = probs.mean(2)
         pooled = torch.zeros_like(rows)
         pooled[..., : n - w] = pool_keys(rows[..., : n - w], self.kernel, self.pooling)
-        norms = value_norms(obs, p=1).masked_fill(~obs.valid, 0.0)  # [b, kv, n]
-        v_bar = norms.amax(-1).repeat_interleave(obs.group_size, dim=1)  # [b, hq]
+        v_bar = max_l1_value_norm(obs).repeat_interleave(obs.group_size, dim=1)  # [b, hq]
         return reduce_group(pooled * v_bar[..., None], obs.num_kv_heads, "max")
 
     # ------------------------------------------------------------------ budgets
@@ -99,6 +98,10 @@ class LAVa(LayerwiseMethod):
         self, obs: Observation, scores: torch.Tensor, row: int, candidates: torch.Tensor
     ) -> float:
         return normalized_entropy(scores[row][candidates])
+
+    def selection_order(self) -> str | None:
+        # the plain flattened top-k keeps a prefix of one order; a floor or an even split does not
+        return "flat" if self.head_split == "flat" and self.floor_alpha == 0.0 else None
 
     def split(
         self, scores: torch.Tensor, candidates: torch.Tensor, total: int, bounds: torch.Tensor

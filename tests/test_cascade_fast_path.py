@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY
+from kvbudget.cache import _take
 from kvbudget.engine import Prompt, prefill
 from kvbudget.methods.cascade import NEVER, candidate_ranks
 from kvbudget.methods.registry import make_method
@@ -144,3 +145,13 @@ def test_max_l1_value_norm_equals_the_direct_computation_bit_for_bit(seed):
     values[0, 1, 3, 0] = float("nan")  # non-finite: the direct computation (nan propagates)
     expected = values.norm(p=1, dim=-1).masked_fill(~valid, 0.0).amax(-1)
     assert torch.equal(max_l1_value_norm(obs).isnan(), expected.isnan()) and expected[0, 1].isnan()
+
+
+def test_keep_copy_equals_gather_contiguous_or_not():
+    """``BudgetLayer.keep``'s copy (``index_select``) gives exactly what an expanded ``gather`` gives."""
+    g = torch.Generator().manual_seed(0)
+    storage = torch.randn(2, 3, 20, 4, generator=g)
+    for t in (storage, storage[:, :, :10], storage[:1]):  # contiguous, a view with room, one row
+        idx = torch.randint(0, 10, (*t.shape[:2], 6), generator=g)
+        assert torch.equal(_take(t, idx), t.gather(2, idx[..., None].expand(*idx.shape, 4)))
+        assert torch.equal(_take(t[:, 0], idx[:, 0]), t[:, 0].gather(1, idx[:, 0, :, None].expand(-1, -1, 4)))

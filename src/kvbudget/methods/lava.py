@@ -42,7 +42,11 @@ class LAVa(LayerwiseMethod):
     ``H·(L − w)`` candidates with the excess spread over the others, integerised so the sum is
     exactly ``T`` (largest remainder), and never above the layer's previous budget. Earlier layers
     are re-evicted from their stored scores (cascading): a layer's full cache is only held while it
-    is the one being prefilled. Final budgets are proportional to the entropies (up to caps and rounding).
+    is the one being prefilled. Without a floor the kept set at any budget is a prefix of one
+    order (score descending, ties to the earlier head, then the earlier token), so the layer
+    stores each entry's rank in it and re-evicts by a threshold (``selection_order``, the rank
+    fast path of :mod:`kvbudget.methods.cascade`; same entries as re-running Alg. 1). Final
+    budgets are proportional to the entropies (up to caps and rounding).
 
     Differences from the authors' code (MGDDestiny/Lava): ``V̄_h`` runs over all entries as in
     Eq. 6 (the code skips the window's values); no floor by default — the code adds AdaKV's floor

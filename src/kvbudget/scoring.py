@@ -60,3 +60,25 @@ def window_scores(
 def value_norms(obs: Observation, p: int = 1) -> torch.Tensor:
     """Per-entry value norm ``||v_j||_p``: ``[b, kv_heads, n]``."""
     return obs.values.float().norm(p=p, dim=-1)
+
+
+def max_l1_value_norm(obs: Observation) -> torch.Tensor:
+    """``max`` of ``‖v_j‖₁`` over each batch row's and KV head's valid entries: ``[b, kv_heads]``
+    (0 where a head has none).
+
+    The same numbers as ``value_norms(obs, 1).masked_fill(~obs.valid, 0).amax(-1)``, about three
+    times faster: ``abs().sum`` (another summation order, so within a relative ``d·2⁻²⁴`` of the
+    norm torch computes) finds the entries within 0.1 % of the largest, and only those get torch's
+    own ``norm`` — the exact maximum is always among them (0.1 % is far above twice the rounding
+    bound). Non-finite values fall back to the direct computation.
+    """
+    values, valid = obs.values.float(), obs.valid
+    approx = values.abs().sum(-1).masked_fill(~valid, 0.0)  # [b, kv, n]
+    top = approx.amax(-1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):
+        return value_norms(obs, p=1).masked_fill(~valid, 0.0).amax(-1)
+    rows, heads, slots = ((approx >= top * (1.0 - 1e-3)) & valid).nonzero(as_tuple=True)
+    exact = values[rows, heads, slots].norm(p=1, dim=-1)
+    out = torch.zeros(top.shape[:-1], dtype=exact.dtype, device=exact.device)
+    out.view(-1).scatter_reduce_(0, rows * top.shape[1] + heads, exact, "amax")
+    return out

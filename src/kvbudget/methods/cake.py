@@ -99,6 +99,9 @@ class CAKE(LayerwiseMethod):
         probs = obs.window_probs(self.window)[row][:, :, columns]  # [hq, w, L − w]
         return cake_preference(probs, self.tau1, self.tau2)
 
+    def selection_order(self) -> str | None:
+        return "head"  # every head keeps its own top ``total``: a prefix of its order
+
     def split(
         self, scores: torch.Tensor, candidates: torch.Tensor, total: int, bounds: torch.Tensor
     ) -> torch.Tensor:

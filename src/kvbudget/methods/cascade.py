@@ -15,6 +15,14 @@ scores are dropped once the last layer is prefilled (the budgets are final then)
 
 The per-run plan (weights and budgets per batch row and layer) lives on the method object, which
 the engine creates fresh per run; it is reset whenever layer 0 is compressed.
+
+**Rank fast path.** When a method's selection at any budget is a prefix of one fixed order of the
+layer's candidates (:meth:`LayerwiseMethod.selection_order`: LAVa's plain flattened top-k, CAKE's
+per-head top-k), :meth:`LayerwiseMethod.compress` sorts the candidates once and stores each
+entry's rank (protected entries ``-1``) instead of its score; keeping a budget is then "rank below
+it", and a re-eviction needs no sort and no head split. It keeps exactly the entries the generic
+path (:meth:`LayerwiseMethod.split` + :func:`~kvbudget.selection.select_keep`) keeps, at every
+step (``tests/test_cascade_fast_path.py``).
 """
 
 from __future__ import annotations
@@ -70,16 +78,20 @@ class CascadePlan:
     last_layer: int = -1
 
 
-def padded_view(layer: BudgetLayer, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+#: rank of an entry that is never kept (invalid slots, pads)
+NEVER = torch.iinfo(torch.int32).max
+
+
+def padded_view(layer: BudgetLayer, name: str, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """State ``name`` and positions of ``layer`` as ``[b, kv_heads, n]`` tensors.
 
-    A per-head (ragged) layer is padded at the end of each head (state 0, position ``-1``), so a
-    slot index of the view is the slot index in the head's own storage.
+    A per-head (ragged) layer is padded at the end of each head (state ``fill``, position ``-1``),
+    so a slot index of the view is the slot index in the head's own storage.
     """
     if not layer.is_ragged:
         return layer.state[name], layer.positions
     n = layer.physical_length
-    state = torch.stack([F.pad(s, (0, n - s.shape[1]), value=0.0) for s in layer.state[name]], dim=1)
+    state = torch.stack([F.pad(s, (0, n - s.shape[1]), value=fill) for s in layer.state[name]], dim=1)
     positions = torch.stack([F.pad(p, (0, n - p.shape[1]), value=-1) for p in layer.positions], dim=1)
     return state, positions
 
@@ -106,6 +118,47 @@ def pool_candidates(
             if cols.numel():
                 out[r, h, cols] = pool_keys(scores[r, h, cols][None, None], kernel, pooling)[0, 0]
     return out
+
+
+def candidate_ranks(
+    scores: torch.Tensor, candidates: torch.Tensor, protected: torch.Tensor, order: str
+) -> torch.Tensor:
+    """Each entry's place in the keep order of one batch row of a layer: ``[kv_heads, n]`` int32.
+
+    Args:
+        scores: ``[kv_heads, n]`` finite on the candidates; candidates, protected: ``[kv_heads, n]`` bool.
+        order: ``"flat"`` — one order over all heads' candidates (score descending, exact ties to
+            the earlier head, then the earlier slot: the stable sort of the flattened scores, as
+            :func:`~kvbudget.allocation.flattened_head_budgets`); ``"head"`` — per head (score
+            descending, ties to the earlier slot, as :func:`~kvbudget.selection.select_keep`).
+    Returns:
+        ranks from 0 on the candidates, ``-1`` on protected entries, :data:`NEVER` elsewhere. A
+        layer budget ``T`` (``"flat"``) or head budget ``T`` (``"head"``) keeps exactly the entries
+        of rank ``< T``.
+    """
+    heads, n = scores.shape
+    masked = scores.float().masked_fill(~candidates, float("-inf"))
+    if order == "flat":
+        idx = torch.sort(masked.reshape(-1), descending=True, stable=True).indices
+        rank = torch.empty_like(idx)
+        rank[idx] = torch.arange(idx.numel(), device=idx.device)
+        rank = rank.view(heads, n)
+    elif order == "head":
+        idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(idx).scatter_(-1, idx, torch.arange(n, device=idx.device).expand(heads, n))
+    else:
+        raise ValueError(f"unknown selection order '{order}': expected flat or head")
+    rank = torch.where(candidates, rank.int(), NEVER)
+    return rank.masked_fill(protected, -1)
+
+
+def below(ranks: torch.Tensor, thresholds: list[int]) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Entries of ``ranks: [b, kv_heads, n]`` below each row's threshold: the slot indices per row
+    and head (sorted, as :meth:`~kvbudget.cache.BudgetLayer.keep` takes them) and their counts
+    ``[b, kv_heads]``."""
+    mask = ranks < torch.tensor(thresholds, dtype=ranks.dtype, device=ranks.device).view(-1, 1, 1)
+    keep = [[mask[r, h].nonzero().flatten() for h in range(mask.shape[1])] for r in range(mask.shape[0])]
+    return keep, mask.sum(-1).cpu()
 
 
 @dataclass
@@ -145,6 +198,13 @@ class LayerwiseMethod(Method):
         """
         raise NotImplementedError
 
+    def selection_order(self) -> str | None:
+        """``"flat"`` or ``"head"`` if what :meth:`split` and :func:`~kvbudget.selection.select_keep`
+        keep at a candidate budget is always the first ``total`` of one fixed order of the layer's
+        candidates (see :func:`candidate_ranks`), for the rank fast path; ``None`` (default) if not
+        — e.g. a floor or an even split, whose heads' shares do not nest as the budget shrinks."""
+        return None
+
     # ------------------------------------------------------------------ plan
     @property
     def plan(self) -> CascadePlan | None:
@@ -180,8 +240,15 @@ class LayerwiseMethod(Method):
         scores = self.score(obs).float()
         valid = obs.valid
         protected = torch.zeros_like(valid)
+        order = self.selection_order()
+        if order is not None and not bool(torch.isfinite(scores[valid]).all()):
+            order = None  # the generic path's tie order for ±inf / nan is not a rank order
+        ranks = torch.full(scores.shape, NEVER, dtype=torch.int32) if order is not None else None
+        thresholds = [0] * len(targets)
         for r, target in enumerate(targets):
             if target is None:
+                if ranks is not None:  # keep the whole row
+                    ranks[r] = torch.where(valid[r], -1, NEVER)
                 continue
             protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
             candidates = valid[r] & ~protected[r]
@@ -195,8 +262,18 @@ class LayerwiseMethod(Method):
                 total = plan.rows[r].step(obs.layer_idx, weight, self.layer_capacity(candidates))
             else:
                 total = self.static_total(target, int(lengths[r]), n_protected, obs)
+            if ranks is not None:
+                ranks[r] = candidate_ranks(scores[r], candidates, protected[r], order)
+                thresholds[r] = total
+                continue
             counts = self.split(scores[r], candidates, total, candidates.sum(-1).cpu())
             kept[r] = counts + protected[r].sum(-1).cpu()
+        if ranks is not None:
+            keep, kept = below(ranks, thresholds)
+            if plan is not None:
+                obs.layer.state[self.state_name] = ranks
+            obs.layer.keep(keep)
+            return kept
         if plan is not None:
             obs.layer.state[self.state_name] = scores
         obs.layer.keep(select_keep(scores, kept, valid, protected))
@@ -207,14 +284,19 @@ class LayerwiseMethod(Method):
 
         Each layer keeps the top of the scores it stored (``state[state_name]``) among its current
         entries: the new budgets are never larger than the old ones, and the same stable order is
-        used, so the new kept set is a subset of the old one. After the last layer the stored
-        scores are dropped.
+        used, so the new kept set is a subset of the old one. On the rank fast path the layer
+        stored ranks instead, and keeps the entries of rank below its budget. After the last
+        layer the stored state is dropped.
         """
         plan = self.plan
         if plan is None:
             return
         for i, layer in enumerate(layers[:-1]):
             if self.state_name not in layer.state:
+                continue
+            stored = layer.state[self.state_name]
+            if (stored[0] if isinstance(stored, list) else stored).dtype == torch.int32:
+                self._reevict_ranks(i, layer, targets)
                 continue
             scores, positions = padded_view(layer, self.state_name)
             valid = positions >= 0
@@ -237,3 +319,31 @@ class LayerwiseMethod(Method):
         if len(layers) >= self.__dict__.get("_num_layers", 1 << 30):
             for layer in layers:
                 layer.state.pop(self.state_name, None)
+
+    def _reevict_ranks(self, i: int, layer: BudgetLayer, targets: list[int | None]) -> None:
+        """Rank fast path of :meth:`rebalance` for layer ``i``: keep the entries of rank below each
+        row's budget (rows without a cascade budget keep what they hold). Works head by head on
+        the stored layout (no padding); edits the layer only if some entry goes."""
+        plan = self.plan
+        rows = len(targets)
+        thresholds = []
+        for r, target in enumerate(targets):
+            rp = plan.rows[r] if r < len(plan.rows) else None
+            missing = target is None or rp is None or i not in rp.budgets
+            thresholds.append(NEVER if missing else rp.budgets[i])
+        stored, positions = layer.state[self.state_name], layer.positions
+        heads = stored if isinstance(stored, list) else list(stored.unbind(1))
+        positions = positions if isinstance(positions, list) else list(positions.unbind(1))
+        limit = torch.tensor(thresholds, dtype=torch.int32, device=heads[0].device).view(rows, 1)
+        lengths = layer.head_lengths().tolist()
+        keep: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        changed = False
+        for h, ranks in enumerate(heads):  # [b, n_h]
+            mask = ranks < limit
+            if layer.has_invalid:  # pads of a batched per-head layer carry a copied rank
+                mask &= positions[h] >= 0
+            for r in range(rows):
+                keep[r].append(mask[r].nonzero().flatten())
+                changed = changed or keep[r][h].numel() != lengths[r][h]
+        if changed:
+            layer.keep(keep)

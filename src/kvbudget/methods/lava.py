@@ -16,7 +16,7 @@ from kvbudget.allocation import (
 from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.cascade import LayerwiseMethod
 from kvbudget.observation import Observation, reduce_group
-from kvbudget.scoring import pool_keys, value_norms
+from kvbudget.scoring import max_l1_value_norm, pool_keys
 
 
 @dataclass
@@ -42,7 +42,11 @@ class LAVa(LayerwiseMethod):
     ``H·(L − w)`` candidates with the excess spread over the others, integerised so the sum is
     exactly ``T`` (largest remainder), and never above the layer's previous budget. Earlier layers
     are re-evicted from their stored scores (cascading): a layer's full cache is only held while it
-    is the one being prefilled. Final budgets are proportional to the entropies (up to caps and rounding).
+    is the one being prefilled. Without a floor the kept set at any budget is a prefix of one
+    order (score descending, ties to the earlier head, then the earlier token), so the layer
+    stores each entry's rank in it and re-evicts by a threshold (``selection_order``, the rank
+    fast path of :mod:`kvbudget.methods.cascade`; same entries as re-running Alg. 1). Final
+    budgets are proportional to the entropies (up to caps and rounding).
 
     Differences from the authors' code (MGDDestiny/Lava): ``V̄_h`` runs over all entries as in
     Eq. 6 (the code skips the window's values); no floor by default — the code adds AdaKV's floor
@@ -84,8 +88,7 @@ class LAVa(LayerwiseMethod):
         rows = probs.mean(2)
         pooled = torch.zeros_like(rows)
         pooled[..., : n - w] = pool_keys(rows[..., : n - w], self.kernel, self.pooling)
-        norms = value_norms(obs, p=1).masked_fill(~obs.valid, 0.0)  # [b, kv, n]
-        v_bar = norms.amax(-1).repeat_interleave(obs.group_size, dim=1)  # [b, hq]
+        v_bar = max_l1_value_norm(obs).repeat_interleave(obs.group_size, dim=1)  # [b, hq]
         return reduce_group(pooled * v_bar[..., None], obs.num_kv_heads, "max")
 
     # ------------------------------------------------------------------ budgets
@@ -99,6 +102,10 @@ class LAVa(LayerwiseMethod):
         self, obs: Observation, scores: torch.Tensor, row: int, candidates: torch.Tensor
     ) -> float:
         return normalized_entropy(scores[row][candidates])
+
+    def selection_order(self) -> str | None:
+        # the plain flattened top-k keeps a prefix of one order; a floor or an even split does not
+        return "flat" if self.head_split == "flat" and self.floor_alpha == 0.0 else None
 
     def split(
         self, scores: torch.Tensor, candidates: torch.Tensor, total: int, bounds: torch.Tensor

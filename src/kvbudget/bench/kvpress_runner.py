@@ -71,16 +71,17 @@ def run_one(model, sample: dict, job: dict) -> dict:
     cache = DynamicCache()
     start = time.perf_counter()
     with press(model):
-        out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1) if aware else None
-        if not aware:
+        if aware:  # the prompt's last logits come from the compressed prefill itself
+            out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+        else:
             model.model(input_ids=ctx, past_key_values=cache)
     compressed = time.perf_counter()
     kept, allocated = cache_entries(cache, model)
-    positions = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
-    if not aware:
-        out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-    else:
+    if aware:
         positions = torch.tensor([[ctx.shape[1] - 1]])
+    else:
+        positions = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
+        out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
     token = out.logits[0, -1].argmax()
     generated = [int(token)]
     pos = positions[:, -1:]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import torch
 
@@ -100,3 +102,85 @@ def test_a_compressed_layer_gets_fresh_exact_storage():
     layer.update(k, v)
     assert torch.equal(layer.keys, torch.cat([before, k], 2))
     assert layer.physical_bytes() == 2 * B * H * 12 * D * 4  # first append after a compression: exact
+
+
+def _per_head(n: int = 30, counts: tuple[int, ...] = (5, 12, 8)) -> tuple[BudgetLayer, list[list]]:
+    """A per-head layer: head ``h`` keeps the first ``counts[h]`` even slots of every row;
+    returns it and each head's expected keys (a list of ``[B, n_h, D]`` pieces)."""
+    layer, keys, _ = _filled(n)
+    kept = [[torch.arange(0, 2 * c, 2) for c in counts] for _ in range(B)]
+    layer.keep(kept)
+    assert layer.is_ragged
+    return layer, [[keys[0][:, h, 0 : 2 * c : 2]] for h, c in enumerate(counts)]
+
+
+def test_per_head_decode_steps_append_in_place_per_head():
+    layer, expected = _per_head()
+    layer.update(*_kv(1, 1))  # first step after the compression: exact
+    layer.update(*_kv(1, 2))  # second: grows every head's storage with room
+    pointers = [s.keys.data_ptr() for s in layer._head_storage]
+    for h, piece in enumerate(expected):
+        piece += [_kv(1, 1)[0][:, h], _kv(1, 2)[0][:, h]]
+    for step in range(3, 20):
+        k, v = _kv(1, step)
+        layer.update(k, v)
+        for h, piece in enumerate(expected):
+            piece.append(k[:, h])
+        assert [s.keys.data_ptr() for s in layer._head_storage] == pointers  # no copies
+    seen = layer.seen
+    for h, piece in enumerate(expected):
+        keys, _, positions = layer.head(h)
+        assert torch.equal(keys, torch.cat(piece, 1))
+        n_new = 19
+        assert torch.equal(positions[:, -n_new:], torch.arange(seen - n_new, seen).expand(B, n_new))
+    capacity = sum(s.capacity for s in layer._head_storage)
+    assert layer.physical_bytes() == 2 * B * capacity * D * 4 > layer.held_bytes()
+
+
+def test_per_head_shallow_copy_never_writes_into_the_originals_storage():
+    layer, _ = _per_head()
+    layer.update(*_kv(1, 1))
+    layer.update(*_kv(1, 2))  # the original now has room
+    before = [layer.head(h)[0].clone() for h in range(H)]
+    clone = layer.shallow_copy()
+    k_clone, _ = _kv(1, 3)
+    clone.update(k_clone, k_clone)
+    k_orig, _ = _kv(1, 4)
+    layer.update(k_orig, k_orig)  # the same slot as the clone's token
+    for h in range(H):
+        assert torch.equal(layer.head(h)[0], torch.cat([before[h], k_orig[:, h]], 1))
+        assert torch.equal(clone.head(h)[0], torch.cat([before[h], k_clone[:, h]], 1))
+    assert all(s.owner is clone for s in clone._head_storage)
+
+
+def test_head_lengths_from_shapes_match_counting_valid_entries():
+    layer, _ = _per_head()
+    assert not layer.has_invalid
+    assert torch.equal(layer.head_lengths(), torch.tensor([[5, 12, 8]] * B))
+    rect, _, _ = _filled(7)
+    assert torch.equal(rect.head_lengths(), torch.full((B, H), 7))
+    padded = BudgetLayer()
+    padded.update(*_kv(6, 0))
+    first_is_pad = [[False] + [True] * 5] * (B - 1) + [[True] * 6]
+    padded.invalidate_new_tokens(torch.tensor(first_is_pad))
+    assert padded.has_invalid
+    assert torch.equal(padded.head_lengths(), torch.tensor([[5] * H] * (B - 1) + [[6] * H]))
+
+
+def test_compression_frees_the_storage_of_the_uncompressed_layer():
+    """The prefill's full-length storage must go with the tensors it backed, or a compressed cache
+    would hold as much memory as the full one."""
+    layer, _, _ = _filled(50)
+    rectangular = weakref.ref(layer._storage.keys)
+    layer.keep([[torch.arange(0, 50, 5)] * H for _ in range(B)])
+    gc.collect()
+    assert rectangular() is None
+    layer.update(*_kv(1, 1))
+    per_head = weakref.ref(layer._storage.keys)
+    layer.keep([[torch.arange(c) for c in (3, 5, 7)] for _ in range(B)])
+    layer.update(*_kv(1, 2))
+    layer.update(*_kv(1, 3))
+    head_storage = [weakref.ref(s.keys) for s in layer._head_storage]
+    layer.keep([[torch.arange(2)] * H for _ in range(B)])  # back to rectangular
+    gc.collect()
+    assert per_head() is None and all(ref() is None for ref in head_storage)

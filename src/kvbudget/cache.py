@@ -32,50 +32,95 @@ if TYPE_CHECKING:
     from kvbudget.session import CompressionSession
 
 
+#: keys ``[*lead, n, d]``, values ``[*lead, n, d]`` and positions ``[*lead, n]`` of one layout
+Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 @dataclass
 class _Storage:
-    """Rectangular storage with room to append in place: ``keys/values: [b, h, capacity, d]``,
-    ``positions: [b, h, capacity]``; ``owner`` is the only layer that may write to it."""
+    """Storage with room to append in place along the entry axis: ``keys/values: [*lead, capacity, d]``,
+    ``positions: [*lead, capacity]`` (``lead`` is ``[b, h]`` for a rectangular layer, ``[b]`` for
+    one KV head of a per-head layer); ``owner`` is the only layer that may write to it."""
 
     owner: BudgetLayer
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    last_views: Views | None = None
 
     @classmethod
-    def like(cls, layer: BudgetLayer, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> _Storage:
-        b, h = keys.shape[:2]
+    def like(cls, owner: BudgetLayer, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> _Storage:
+        lead = keys.shape[:-2]
         return cls(
-            layer,
-            keys.new_empty((b, h, capacity, keys.shape[-1])),
-            values.new_empty((b, h, capacity, values.shape[-1])),
-            torch.empty((b, h, capacity), dtype=torch.long, device=keys.device),
+            owner,
+            keys.new_empty((*lead, capacity, keys.shape[-1])),
+            values.new_empty((*lead, capacity, values.shape[-1])),
+            torch.empty((*lead, capacity), dtype=torch.long, device=keys.device),
         )
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[-2]
 
-    def backs(self, layer: BudgetLayer) -> bool:
-        """``layer``'s tensors are leading views of this storage (not replaced since)."""
-        pairs = (layer.keys, self.keys), (layer.values, self.values), (layer.positions, self.positions)
+    def backs(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> bool:
+        """The tensors are leading views of this storage (not replaced since)."""
+        last = self.last_views
+        if last is not None and keys is last[0] and values is last[1] and positions is last[2]:
+            return True  # the views the last append returned (the decode loop's case)
+        pairs = (keys, self.keys, 2), (values, self.values, 2), (positions, self.positions, 1)
         return all(
-            t.data_ptr() == own.data_ptr() and t.shape[:2] == own.shape[:2] and t.stride() == own.stride()
-            for t, own in pairs
+            t.data_ptr() == own.data_ptr() and t.shape[:-k] == own.shape[:-k] and t.stride() == own.stride()
+            for t, own, k in pairs
         )
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        stop = start + keys.shape[2]
-        self.keys[:, :, start:stop] = keys
-        self.values[:, :, start:stop] = values
-        self.positions[:, :, start:stop] = positions
+        q = keys.shape[-2]
+        self.keys.narrow(-2, start, q).copy_(keys)
+        self.values.narrow(-2, start, q).copy_(values)
+        self.positions.narrow(-1, start, q).copy_(positions)
 
-    def view(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n]
+    def view(self, n: int) -> Views:
+        views = self.keys.narrow(-2, 0, n), self.values.narrow(-2, 0, n), self.positions.narrow(-1, 0, n)
+        self.last_views = views
+        return views
+
+    def owned_by(self, layer: BudgetLayer, views: Views) -> bool:
+        return self.owner is layer and self.backs(*views)
+
+    @staticmethod
+    def append(
+        layer: BudgetLayer,
+        storage: _Storage | None,
+        old: Views,
+        new: Views,
+    ) -> tuple[_Storage, Views]:
+        """Append ``new`` (keys, values, positions) after ``old`` (views ``layer`` holds), in place
+        when ``storage`` is ``layer``'s own and has room; returns the storage and the new views.
+
+        Storage is sized exactly for the first append after the tensors were replaced (a prefill,
+        a compression); an append that does not fit storage the layer filled itself grows it by
+        ``max(32, n / 16)`` slots of slack, so decoding copies only every few dozen tokens.
+        """
+        n, q = old[0].shape[-2], new[0].shape[-2]
+        ours = storage is not None and storage.owned_by(layer, old)
+        if not (ours and n + q <= storage.capacity):
+            storage_ = _Storage.like(layer, new[0], new[1], n + q + (max(32, (n + q) // 16) if ours else 0))
+            storage_.write(0, *old)
+            storage = storage_
+        storage.write(n, *new)
+        return storage, storage.view(n + q)
+
+
+def _allocated(storage: _Storage | None, layer: BudgetLayer, views: Views) -> int:
+    """Key and value bytes behind ``views`` (keys, values, positions): their storage's capacity
+    when ``layer`` owns it, else the tensors' own bytes."""
+    if storage is not None and storage.owned_by(layer, views):
+        return _bytes(storage.keys) + _bytes(storage.values)
+    return _bytes(views[0]) + _bytes(views[1])
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -121,6 +166,7 @@ class BudgetLayer(DynamicLayer):
         self.state: dict[str, Any] = {}
         self.has_invalid = False
         self._storage: _Storage | None = None
+        self._head_storage: list[_Storage] | None = None
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -129,6 +175,7 @@ class BudgetLayer(DynamicLayer):
         self.keys = key_states.new_empty((b, h, 0, d))
         self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]))
         self.positions = torch.empty((b, h, 0), dtype=torch.long, device=self.device)
+        self._release_storage()
         self.is_initialized = True
 
     def update(
@@ -156,10 +203,7 @@ class BudgetLayer(DynamicLayer):
             self.seen = int(kwargs["seen"])
             self.has_invalid = self.has_invalid or bool((new_pos < 0).any())
         if self.is_ragged:
-            for i in range(h):
-                self.head_keys[i] = torch.cat([self.head_keys[i], key_states[:, i]], dim=1)
-                self.head_values[i] = torch.cat([self.head_values[i], value_states[:, i]], dim=1)
-                self.positions[i] = torch.cat([self.positions[i], new_pos], dim=1)
+            self._append_per_head(key_states, value_states, new_pos)
             for name, per_head in self.state.items():
                 self.state[name] = [torch.cat([s, s.new_zeros(b, q)], dim=1) for s in per_head]
             empty = key_states.new_empty((b, h, 0, key_states.shape[-1]))
@@ -174,24 +218,33 @@ class BudgetLayer(DynamicLayer):
 
         The layer's tensors are views of storage it owns (:class:`_Storage`) with room to append in
         place: a decode step writes one slot instead of copying the whole layer (``torch.cat`` of a
-        long cache costs a full copy plus fresh pages every step). Storage is sized exactly for the
-        first append after the tensors were replaced (a prefill, a compression); an append that
-        does not fit storage this layer filled itself grows it by ``max(32, n / 16)`` slots of
-        slack, so decoding copies the layer only every few dozen tokens. Storage shared with a
+        long cache costs a full copy plus fresh pages every step). Storage shared with a
         :meth:`shallow_copy` is never written: the copy allocates its own on its first append.
         """
-        n, q = self.keys.shape[2], keys.shape[2]
-        storage = self._storage
-        ours = storage is not None and storage.owner is self and storage.backs(self)
-        if ours and n + q <= storage.capacity:
-            storage.write(n, keys, values, positions)
-        else:
-            capacity = n + q + (max(32, (n + q) // 16) if ours else 0)
-            storage = _Storage.like(self, keys, values, capacity)
-            storage.write(0, self.keys, self.values, self.positions)
-            storage.write(n, keys, values, positions)
-            self._storage = storage
-        self.keys, self.values, self.positions = storage.view(n + q)
+        old = (self.keys, self.values, self.positions)
+        self._storage, (self.keys, self.values, self.positions) = _Storage.append(
+            self, self._storage, old, (keys, values, positions)
+        )
+
+    def _append_per_head(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``[b, h, q, d]`` keys/values and ``[b, q]`` positions to every KV head of the
+        per-head layout, each head in place in storage of its own (as :meth:`_append_rectangular`).
+
+        New lists are built: a :meth:`shallow_copy` shares the old ones.
+        """
+        h = len(self.head_keys)
+        storages = self._head_storage if self._head_storage is not None else [None] * h
+        new_storages, head_keys, head_values, head_positions = [], [], [], []
+        for i in range(h):
+            old = (self.head_keys[i], self.head_values[i], self.positions[i])
+            new = (keys[:, i], values[:, i], positions)
+            storage, (k, v, p) = _Storage.append(self, storages[i], old, new)
+            new_storages.append(storage)
+            head_keys.append(k)
+            head_values.append(v)
+            head_positions.append(p)
+        self._head_storage = new_storages
+        self.head_keys, self.head_values, self.positions = head_keys, head_values, head_positions
 
     def get_seq_length(self) -> int:
         """Logical length: tokens seen, not tokens stored."""
@@ -213,6 +266,7 @@ class BudgetLayer(DynamicLayer):
         self.seen = 0
         self.has_invalid = False
         self.is_initialized = False
+        self._release_storage()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise KVBudgetError("BudgetCache layers cannot be cropped: their entries are not a contiguous prefix")
@@ -267,13 +321,25 @@ class BudgetLayer(DynamicLayer):
 
     def head_lengths(self) -> torch.Tensor:
         """Valid entries per batch row and KV head: ``[batch, kv_heads]`` (int64)."""
+        if not self.has_invalid:  # every slot is valid: the lengths are the shapes
+            if self.is_ragged:
+                lengths = [[p.shape[1] for p in self.positions]] * self.batch_size
+                return torch.tensor(lengths, dtype=torch.long, device=self.positions[0].device)
+            b, h, n = self.positions.shape
+            return torch.full((b, h), n, dtype=torch.long, device=self.positions.device)
         if self.is_ragged:
             return torch.stack([(p >= 0).sum(-1) for p in self.positions], dim=1)
         return (self.positions >= 0).sum(-1)
 
+    def _release_storage(self) -> None:
+        """Forget the append storage: called whenever the layer's tensors are replaced, so the old
+        (often much longer) storage is freed with them."""
+        self._storage = self._head_storage = None
+
     def _map_batch(self, fn: Any) -> None:
         if not self.is_initialized:
             return
+        self._release_storage()
         if self.is_ragged:
             self._map_heads(fn)
         else:
@@ -385,6 +451,7 @@ class BudgetLayer(DynamicLayer):
     def _keep_rectangular(self, idx: torch.Tensor) -> None:
         """Fast path of :meth:`keep`: every row and head keeps as many entries; ``idx: [b, h, k]``."""
         idx = idx.to(self.keys.device)
+        self._release_storage()
         self.keys = _take(self.keys, idx)
         self.values = _take(self.values, idx)
         self.positions = _take(self.positions, idx)
@@ -399,6 +466,7 @@ class BudgetLayer(DynamicLayer):
         head_state: dict[str, list[torch.Tensor]],
     ) -> None:
         """Store per-head tensors, rectangular when every head has the same length."""
+        self._release_storage()
         if len({k.shape[1] for k in head_keys}) == 1:
             self.keys = torch.stack(head_keys, dim=1)
             self.values = torch.stack(head_values, dim=1)
@@ -418,11 +486,13 @@ class BudgetLayer(DynamicLayer):
 
     def physical_bytes(self) -> int:
         """Bytes allocated for this layer's keys and values (with the unused room of storage it owns)."""
-        storage = self._storage
-        if self.is_initialized and not self.is_ragged and storage is not None and storage.owner is self:
-            if storage.backs(self):
-                return _bytes(storage.keys) + _bytes(storage.values)
-        return self.held_bytes()
+        if not self.is_initialized:
+            return 0
+        if not self.is_ragged:
+            return _allocated(self._storage, self, (self.keys, self.values, self.positions))
+        storages = self._head_storage or [None] * len(self.head_keys)
+        heads = zip(self.head_keys, self.head_values, self.positions, strict=True)
+        return sum(_allocated(storage, self, views) for storage, views in zip(storages, heads, strict=True))
 
     def held_bytes(self) -> int:
         """Bytes of the key/value entries the layer holds (pads included): what attention reads."""

@@ -124,7 +124,7 @@ def main() -> int:
             seconds: dict[str, float] = defaultdict(float)
             method = MethodSpec.parse(args.method).build()
             instrument(method, seconds)
-            cache, _ = derive(model, snapshot, method, budget=args.budget)
+            cache = derive(model, snapshot, method, budget=args.budget)[0]
             timings.append(cache.session.compress_seconds)
             parts = ", ".join(f"{k} {seconds[k]:.3f}" for k in STEPS if k in seconds)
             print(f"derive {i + 1}: compress_s {timings[-1]:.3f}; steps (s): {parts}; "

@@ -3,7 +3,8 @@
 ``LayerwiseMethod.selection_order`` lets LAVa (flattened top-k, no floor) and CAKE (per-head top-k)
 store each entry's rank once and re-evict by a threshold on it. The generic path — the head split
 (``split``) and ``select_keep`` over the stored scores, re-run at every cascade step — is the
-independent computation here: every layer's kept positions must be equal after every step.
+independent computation here: every layer's kept positions must be equal after every step (and,
+with the fast path's lazy re-eviction, after the last one).
 LAVa's ``V̄_h`` shortcut (``scoring.max_l1_value_norm``) is checked against the direct computation.
 """
 
@@ -61,10 +62,16 @@ def stored_positions(layer) -> list[list[list[int]]]:
     return [layer.head(h)[2].tolist() for h in range(layer.num_heads)]
 
 
-def run(method, model, prompts, budget, generic: bool):
-    """Prefill a batch; every layer's kept positions (per row and head) after every cascade step."""
+def run(method, model, prompts, budget, name: str, generic: bool, slack: float = 1.0):
+    """Prefill a batch; every layer's kept positions (per row and head) after every cascade step.
+
+    ``slack``: the fast path's lazy re-eviction factor (1.0: re-evict after every layer, as the
+    generic path does). After each step, every held layer's candidates must be within ``slack``
+    times its current budget.
+    """
     if generic:
         method.selection_order = lambda: None  # this instance only: the generic path
+    method.reevict_slack = slack
     steps: list[list] = []
     stored_dtypes: set[torch.dtype] = set()
     rebalance = method.rebalance
@@ -76,6 +83,13 @@ def run(method, model, prompts, budget, generic: bool):
                 stored_dtypes.add((stored[0] if isinstance(stored, list) else stored).dtype)
         rebalance(layers, targets)
         steps.append([stored_positions(layer) for layer in layers])
+        for i, layer in enumerate(layers if method.cascading else []):
+            per_head = layer.head_lengths()
+            for r, rp in enumerate(method.plan.rows):
+                if rp is not None and i in rp.budgets:
+                    candidates = per_head[r] - rp.protected
+                    held = candidates.sum() if name == "lava" else candidates.max()  # the budget's unit
+                    assert held <= slack * rp.budgets[i]
 
     method.rebalance = spy
     session = CompressionSession(method, LAYERS, budget=budget)
@@ -101,11 +115,15 @@ def test_fast_path_keeps_what_the_generic_path_keeps_at_every_step(name, options
     g = torch.Generator().manual_seed(1)
     lengths = [90, 61, 75]  # a batch of different lengths: left padding, per-head rows padded apart
     prompts = [Prompt(torch.randint(3, 90, (n,), generator=g).tolist(), []) for n in lengths]
-    fast = run(make_method(name, **options), model, prompts, budget, generic=False)
-    slow = run(make_method(name, **options), model, prompts, budget, generic=True)
+    fast = run(make_method(name, **options), model, prompts, budget, name, generic=False)
+    slow = run(make_method(name, **options), model, prompts, budget, name, generic=True)
     assert fast[0] == slow[0]  # every cascade step
     assert fast[1] == slow[1]  # final kept positions
     assert torch.equal(fast[2], slow[2])  # session budgets
+    lazy = run(make_method(name, **options), model, prompts, budget, name, generic=False, slack=1.5)
+    assert lazy[1] == slow[1] and torch.equal(lazy[2], slow[2])  # the same final cache
+    if make_method(name).cascading:
+        assert lazy[0] != slow[0]  # mid-prefill, some layer waited for its re-eviction
     if make_method(name).cascading:
         assert fast[3] == {torch.int32} and slow[3] == {torch.float32}  # each path really ran
         assert len(fast[0]) == LAYERS and fast[0][1][0] != fast[0][-1][0]  # layer 0 was re-evicted

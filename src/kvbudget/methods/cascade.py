@@ -28,6 +28,7 @@ step (``tests/test_cascade_fast_path.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +168,8 @@ class LayerwiseMethod(Method):
 
     #: per-entry state holding the scores a cascading method re-evicts from
     state_name = "layerwise_score"
+    #: rank fast path: an earlier layer is re-evicted once it holds more than this times its budget
+    reevict_slack: ClassVar[float] = 1.5
 
     # ------------------------------------------------------------------ parts for subclasses
     def model_total(self, target: int, protected: int, num_layers: int, num_heads: int) -> int:
@@ -291,12 +294,13 @@ class LayerwiseMethod(Method):
         plan = self.plan
         if plan is None:
             return
+        final = len(layers) >= self.__dict__.get("_num_layers", 1 << 30)
         for i, layer in enumerate(layers[:-1]):
             if self.state_name not in layer.state:
                 continue
             stored = layer.state[self.state_name]
             if (stored[0] if isinstance(stored, list) else stored).dtype == torch.int32:
-                self._reevict_ranks(i, layer, targets)
+                self._reevict_ranks(i, layer, targets, final)
                 continue
             scores, positions = padded_view(layer, self.state_name)
             valid = positions >= 0
@@ -316,14 +320,32 @@ class LayerwiseMethod(Method):
                 kept[r] = counts + protected[r].sum(-1).cpu()
             if changed:
                 layer.keep(select_keep(scores, kept, valid, protected))
-        if len(layers) >= self.__dict__.get("_num_layers", 1 << 30):
+        if final:
             for layer in layers:
                 layer.state.pop(self.state_name, None)
 
-    def _reevict_ranks(self, i: int, layer: BudgetLayer, targets: list[int | None]) -> None:
+    def held_candidates(self, layer: BudgetLayer, rows: list[RowPlan | None]) -> list[int]:
+        """Candidates ``layer`` holds per batch row, in the unit of the row's budget: the sum over
+        heads for the ``flat`` order, the largest head for the ``head`` order (0 for rows without
+        a plan)."""
+        per_head = layer.head_lengths().cpu()
+        reduce = torch.sum if self.selection_order() == "flat" else torch.amax
+        return [
+            0 if rp is None else int(reduce(per_head[r] - rp.protected, dim=-1))
+            for r, rp in enumerate(rows)
+        ]
+
+    def _reevict_ranks(self, i: int, layer: BudgetLayer, targets: list[int | None], final: bool) -> None:
         """Rank fast path of :meth:`rebalance` for layer ``i``: keep the entries of rank below each
         row's budget (rows without a cascade budget keep what they hold). Works head by head on
-        the stored layout (no padding); edits the layer only if some entry goes."""
+        the stored layout (no padding); edits the layer only if some entry goes.
+
+        Lazily: before the ``final`` call (after the last layer) a layer is only re-evicted once
+        some row holds more than :attr:`reevict_slack` times its new candidate budget. The kept
+        sets nest (rank below a threshold that only shrinks), so the final cache is the same as
+        re-evicting after every layer (Alg. 2); only the cache held mid-prefill is up to that
+        factor above the cascade's total, and a layer is rewritten a few times instead of once
+        per later layer."""
         plan = self.plan
         rows = len(targets)
         thresholds = []
@@ -331,6 +353,11 @@ class LayerwiseMethod(Method):
             rp = plan.rows[r] if r < len(plan.rows) else None
             missing = target is None or rp is None or i not in rp.budgets
             thresholds.append(NEVER if missing else rp.budgets[i])
+        if not final:
+            planned = [plan.rows[r] if t != NEVER else None for r, t in enumerate(thresholds)]
+            held = self.held_candidates(layer, planned)
+            if all(t == NEVER or held[r] <= self.reevict_slack * t for r, t in enumerate(thresholds)):
+                return
         stored, positions = layer.state[self.state_name], layer.positions
         heads = stored if isinstance(stored, list) else list(stored.unbind(1))
         positions = positions if isinstance(positions, list) else list(positions.unbind(1))

@@ -17,7 +17,8 @@ from kvbudget.bench import memory
 from kvbudget.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from kvbudget.bench.grid import BenchConfig, aggregate, run_worker
 from kvbudget.bench.measure import MeasureSpec
-from kvbudget.bench.peer import PEERS, PeerConfig, run_ours, summarise
+from kvbudget.bench.peer import PEERS, PeerConfig, make_jobs, over_repeats, run_ours, summarise
+from kvbudget.bench.peer import markdown as peer_markdown
 from kvbudget.bench.report import markdown, targets, write_bench_report
 from kvbudget.cli import app
 from kvbudget.errors import KVBudgetError
@@ -145,31 +146,114 @@ def test_peer_runs_ours_with_compression_in_the_prefill_only() -> None:
     assert len(row["token_ids"]) == 6
     # the question and 5 decoded tokens stay: a decode-stage method does not trim here
     assert row["final_entries"] == layers * heads * (40 + len(question) + 5)
-    assert row["wall_s"] >= row["prefill_s"] > 0
+    assert row["wall_s"] == pytest.approx(row["prefill_s"] + row["decode_s"]) and row["prefill_s"] > 0
 
 
 def test_peer_summary_scores_both_sides_with_our_metric() -> None:
     tok = tiny_tokenizer()
-    samples = [
-        {"id": f"s{i}", "task": "needle", "answers": ["4711"], "eos_ids": [1]} for i in range(3)
-    ]
+    samples = [{"id": f"s{i}", "task": "needle", "length": 300, "answers": ["4711"], "eos_ids": [1]}
+               for i in range(3)]  # fmt: skip
     right, wrong = tok.encode("4711"), tok.encode("0000")
     ours = [
         {"sample": f"s{i}", "method": "snapkv", "budget": 64, "token_ids": ids + [1], "wall_s": 1.0,
-         "prefill_s": 0.5, "kept_entries": 10, "allocated_entries": 10}
+         "prefill_s": 0.5, "decode_s": 0.5, "kept_entries": 10, "allocated_entries": 10}
         for i, ids in enumerate([right, right, wrong])
     ]  # fmt: skip
     theirs = [
-        {**r, "token_ids": ids, "wall_s": 2.0, "kept_entries": 10, "allocated_entries": 30}
+        {**r, "token_ids": ids, "wall_s": 2.0, "prefill_s": 0.5, "decode_s": 1.5, "kept_entries": 10,
+         "allocated_entries": 30}
         for r, ids in zip(ours, [right + [1], wrong, wrong + [1]], strict=True)
-    ]
+    ]  # fmt: skip
     (row,) = summarise(samples, ours, theirs, tok)
     assert row["ours_accuracy"] == pytest.approx(2 / 3) and row["kvpress_accuracy"] == pytest.approx(1 / 3)
     assert row["accuracy_diff_samples"] == 1
     assert row["same_answer"] == pytest.approx(2 / 3)
     assert row["wall_ratio"] == pytest.approx(0.5)
+    assert row["prefill_ratio"] == pytest.approx(1.0) and row["decode_ratio"] == pytest.approx(1 / 3)
     assert row["kvpress_allocated_entries"] == 30
     assert row["press"] == PEERS["snapkv"][1]["press"]
+    assert row["repeats"] == 1 and row["ours_deterministic"] and row["kvpress_deterministic"]
+
+
+def _timed_rows(side: str, rng: np.random.Generator, repeats: int) -> list[dict]:
+    """Rows for 2 samples × (snapkv@64, full) × ``repeats`` with random times."""
+    return [
+        {"sample": f"s{i}", "method": method, "budget": budget, "repeat": rep, "token_ids": [5, 6, 1],
+         "prefill_s": float(p), "decode_s": float(d), "wall_s": float(p + d), "kept_entries": 10,
+         "allocated_entries": 10, "side": side}
+        for rep in range(repeats) for i in range(2) for method, budget in (("snapkv", 64), ("full", None))
+        for p, d in [rng.uniform(0.5, 3.0, 2)]
+    ]  # fmt: skip
+
+
+def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
+    rng = np.random.default_rng(0)
+    ours, theirs = _timed_rows("ours", rng, 3), _timed_rows("kvpress", rng, 3)
+    theirs[-1]["token_ids"] = [5, 7, 1]  # kvpress's last repeat of s1/full decoded something else
+    merged = over_repeats(ours)
+    assert len(merged) == 4
+    for (sample, method, budget), row in merged.items():
+        runs = [r for r in ours if (r["sample"], r["method"], r["budget"]) == (sample, method, budget)]
+        assert len(runs) == row["repeats"] == 3
+        for t in ("wall_s", "prefill_s", "decode_s"):
+            assert row[t] == pytest.approx(np.median([r[t] for r in runs]))
+        assert row["deterministic"]
+    assert not over_repeats(theirs)[("s1", "full", None)]["deterministic"]
+
+    samples = [{"id": f"s{i}", "task": "needle", "length": 300, "answers": ["x"], "eos_ids": [1]}
+               for i in (0, 1)]  # fmt: skip
+    rows = {r["method"]: r for r in summarise(samples, ours, theirs, tiny_tokenizer())}
+    assert rows["full"]["budget"] is None and rows["full"]["press"] == "no press"
+    assert rows["snapkv"]["kvpress_deterministic"] and not rows["full"]["kvpress_deterministic"]
+    for method, row in rows.items():
+        for phase in ("wall", "prefill", "decode"):
+            mine, peer = (
+                sum(np.median([r[f"{phase}_s"] for r in side if r["sample"] == s and r["method"] == method])
+                    for s in ("s0", "s1"))
+                for side in (ours, theirs)
+            )  # fmt: skip
+            assert row[f"ours_{phase}_s"] == pytest.approx(mine)
+            assert row[f"kvpress_{phase}_s"] == pytest.approx(peer)
+            assert row[f"{phase}_ratio"] == pytest.approx(mine / peer)
+
+    text = peer_markdown(PeerConfig(repeats=3), list(rows.values()), "versions")
+    header = next(line for line in text.splitlines() if line.startswith("| task"))
+    for column in ("prefill s ours / kvpress (ratio)", "decode s ours / kvpress (ratio)",
+                   "wall s ours / kvpress (ratio)", "same tokens over repeats"):  # fmt: skip
+        assert column in header
+    full = next(line for line in text.splitlines() if line.startswith("| needle") and "no press" in line)
+    cells = [c.strip() for c in full.strip("|").split("|")]
+    assert cells[:6] == ["needle", "300", "`full`", "no press", "—", "2"]
+    assert cells[9] == "yes / **NO**"
+    assert len(cells) == len([c for c in header.strip("|").split("|")])
+    r = rows["full"]
+    assert cells[11] == f"{r['ours_prefill_s']:.1f} / {r['kvpress_prefill_s']:.1f} ({r['prefill_ratio']:.2f})"
+    assert "not deterministic across repeats** for: full@None (needle 300, kvpress)" in text
+    # the reference comes first in its length block
+    assert text.index("no press") < text.index(PEERS["snapkv"][1]["press"])
+
+
+def test_peer_jobs_run_full_once_without_a_budget_and_last() -> None:
+    jobs = make_jobs(PeerConfig(methods=["full", "snapkv", "knorm"], budgets=[64, 128], question_aware=True))
+    assert [(j["method"], j["budget"]) for j in jobs] == [
+        ("snapkv", 64), ("snapkv", 128), ("knorm", 64), ("knorm", 128), ("full", None)
+    ]
+    assert jobs[-1]["press"] is None and all(j["question_aware"] for j in jobs)
+    with pytest.raises(KVBudgetError, match="repeats"):
+        PeerConfig(repeats=0).validate()
+
+
+def test_peer_full_keeps_the_whole_prompt_and_splits_time() -> None:
+    model = tiny_model("llama")
+    context, question = list(range(3, 90)) * 2, [5, 6, 7, 8]
+    sample = {"id": "x", "context_ids": context, "question_ids": question, "eos_ids": [], "max_new_tokens": 4}
+    row = run_ours(model, sample, "full", None)
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert row["kept_entries"] == layers * heads * len(context)
+    assert row["allocated_entries"] >= row["kept_entries"]  # an uncompressed layer has room to append
+    assert row["final_entries"] == layers * heads * (len(context) + len(question) + 3)
+    assert row["wall_s"] == pytest.approx(row["prefill_s"] + row["decode_s"])
+    assert row["prefill_s"] > 0 and row["decode_s"] > 0
 
 
 def test_peer_config_rejects_methods_without_a_counterpart() -> None:

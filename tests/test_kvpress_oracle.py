@@ -100,3 +100,57 @@ def test_answers_match_kvpress_end_to_end(oracle: dict, tmp_path: Path, aware: b
     assert theirs[0]["kept_entries"] == ours["kept_entries"] == layers * heads * 90
     assert len(ours["token_ids"]) == 6
     assert ours["token_ids"] == theirs[0]["token_ids"]
+
+
+def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Path, monkeypatch) -> None:
+    """`run_peer` with 2 repeats: kvpress and ours alternate, every repeat's rows are kept, and the
+    `full` pair (no press ↔ our `full`) keeps the whole context and decodes the same tokens."""
+    from conftest import tiny_tokenizer
+    from kvbudget.bench import peer
+
+    model_dir = tmp_path / "model"
+    model = tiny_model("llama", seed=3)
+    model.save_pretrained(model_dir)
+    tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
+    calls: list[str] = []
+    real_kvpress, real_ours = peer.run_kvpress, peer.run_ours
+    monkeypatch.setattr(peer, "run_kvpress", lambda *a: calls.append("kvpress") or real_kvpress(*a))
+    monkeypatch.setattr(peer, "run_ours", lambda *a: calls.append("ours") or real_ours(*a))
+    config = peer.PeerConfig(
+        model=str(model_dir), tasks=["needle_filler"], lengths=[300], limit=1, methods=["full", "snapkv"],
+        budgets=[96], peer_python=str(PEER), repeats=2,
+    )  # fmt: skip
+    out = tmp_path / "out"
+    result = json.loads(peer.run_peer(config, out).read_text())
+    passes = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
+    assert passes == ["kvpress", "ours", "kvpress", "ours"]
+    assert calls.count("ours") == 1 + 2 * 2  # warm-up, then 2 repeats × 2 jobs
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    sides = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+             for name in ("ours", "kvpress")}  # fmt: skip
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for name, rows in sides.items():
+        assert sorted((r["repeat"], r["sample"], r["method"]) for r in rows) == sorted(
+            (rep, s["id"], m) for rep in (0, 1) for s in samples for m in ("snapkv", "full")
+        )
+        for r in rows:
+            assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]), name
+            assert r["prefill_s"] > 0 and r["decode_s"] > 0
+            context = len(next(s for s in samples if s["id"] == r["sample"])["context_ids"])
+            expected = layers * heads * (context if r["method"] == "full" else 96)
+            assert r["kept_entries"] == expected, (name, r["method"])
+    first = {name: {(r["sample"], r["method"]): r["token_ids"] for r in rows if r["repeat"] == 0}
+             for name, rows in sides.items()}  # fmt: skip
+    assert first["ours"] == first["kvpress"]  # full and SnapKV: the same answers on both sides
+
+    by_method = {r["method"]: r for r in result["rows"]}
+    assert by_method["full"]["budget"] is None and by_method["full"]["press"] == "no press"
+    for row in by_method.values():
+        assert row["repeats"] == 2 and row["samples"] == 1 and row["same_answer"] == 1.0
+        assert row["ours_deterministic"] and row["kvpress_deterministic"]
+    for name, rows in sides.items():  # greedy decoding repeats itself on both sides
+        assert all(r["token_ids"] == first[name][(r["sample"], r["method"])] for r in rows), name
+    text = (out / "peer.md").read_text()
+    assert "| needle_filler | 300 | `full` | no press | — | 1 |" in text
+    assert "decode s ours / kvpress (ratio)" in text and "2 repeat(s)" in text

@@ -381,10 +381,17 @@ def bench_peer(
     lengths: Annotated[list[str] | None, typer.Option(help="Context lengths in tokens.")] = None,
     limit: Annotated[int, typer.Option(help="Samples per task and length.")] = 5,
     methods: Annotated[
-        list[str] | None, typer.Option(help="Our methods with a kvpress counterpart (default: all).")
+        list[str] | None,
+        typer.Option(
+            help="Our methods with a kvpress counterpart (default: all); `full` (no compression on "
+            "either side) is the accuracy ceiling."
+        ),
     ] = None,
     budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    repeats: Annotated[
+        int, typer.Option(help="Alternating passes per side (kvpress, ours, kvpress, …); times are medians.")
+    ] = 1,
     peer_python: Annotated[
         Path, typer.Option(help="Python of the kvpress environment (`make peer`).")
     ] = Path(".venv-peer/bin/python"),
@@ -397,7 +404,8 @@ def bench_peer(
     from kvbudget.bench.peer import PeerConfig, run_peer
 
     config = PeerConfig(
-        model=model, limit=limit, dtype=dtype, peer_python=str(peer_python), question_aware=question_aware
+        model=model, limit=limit, dtype=dtype, peer_python=str(peer_python), question_aware=question_aware,
+        repeats=repeats,
     )
     config.tasks = _split(tasks) or config.tasks
     config.lengths = _ints(lengths, "lengths") or config.lengths

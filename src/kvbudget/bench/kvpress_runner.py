@@ -7,7 +7,14 @@ chat template) and ``jobs.json`` (press name, options, budget), and writes one J
 by the model body inside ``with press(model)``, then the question is fed at its true positions
 and tokens are chosen greedily until an EOS id (given by the caller) or ``max_new_tokens``. A job
 with ``"question_aware": true`` prefills context and question together inside the press instead
-(the press then sees the question: its window holds the question's tokens).
+(the press then sees the question: its window holds the question's tokens). A job whose
+``"press"`` is null runs the same loop without any press (plain generation, the full cache).
+
+Timing, as kvbudget's side measures it: ``prefill_s`` runs from the start to the prompt's last
+logits (context prefill with compression, plus the question's forward when question-agnostic),
+``decode_s`` from there to the last token (first token's argmax included), ``wall_s`` is their
+sum; ``context_s`` is the compressed context prefill alone. Counting the cache's entries is not
+timed.
 
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
@@ -20,6 +27,7 @@ Usage: python -P kvpress_runner.py --model DIR --samples S.jsonl --jobs J.json -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -28,13 +36,16 @@ import torch
 
 
 def make_press(job: dict, k_len: int):
-    """The kvpress press of ``job`` with a compression ratio that keeps ``budget`` entries per head.
+    """The kvpress press of ``job`` with a compression ratio that keeps ``budget`` entries per head
+    (None when the job has no press: the full-cache reference).
 
     kvpress keeps ``int(k_len · (1 − ratio))`` (PyramidKV's fallback rounds it); a ratio of
     ``1 − (budget + 0.25) / k_len`` makes both equal ``budget`` exactly.
     """
     import kvpress
 
+    if job.get("press") is None:
+        return None
     budget = job["budget"]
     ratio = 0.0 if budget >= k_len else 1.0 - (budget + 0.25) / k_len
     cls = getattr(kvpress, job["press"])
@@ -70,18 +81,20 @@ def run_one(model, sample: dict, job: dict) -> dict:
     model.set_attn_implementation(job.get("attn", "sdpa"))
     cache = DynamicCache()
     start = time.perf_counter()
-    with press(model):
+    with press(model) if press is not None else contextlib.nullcontext():
         if aware:  # the prompt's last logits come from the compressed prefill itself
             out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
         else:
             model.model(input_ids=ctx, past_key_values=cache)
-    compressed = time.perf_counter()
-    kept, allocated = cache_entries(cache, model)
+    context_s = time.perf_counter() - start
+    kept, allocated = cache_entries(cache, model)  # not timed
+    resumed = time.perf_counter()
     if aware:
         positions = torch.tensor([[ctx.shape[1] - 1]])
     else:
         positions = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
         out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+    prefilled = time.perf_counter()
     token = out.logits[0, -1].argmax()
     generated = [int(token)]
     pos = positions[:, -1:]
@@ -93,12 +106,13 @@ def run_one(model, sample: dict, job: dict) -> dict:
         token = out.logits[0, -1].argmax()
         generated.append(int(token))
     end = time.perf_counter()
+    prefill_s = context_s + prefilled - resumed
     for layer in model.model.layers:  # AdaKV leaves its masks on the modules
         layer.self_attn.masked_key_indices = None
     return {
         "sample": sample["id"], "method": job["method"], "budget": job["budget"], "token_ids": generated,
-        "wall_s": end - start, "prefill_s": compressed - start, "kept_entries": kept,
-        "allocated_entries": allocated,
+        "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
+        "context_s": context_s, "kept_entries": kept, "allocated_entries": allocated,
     }  # fmt: skip
 
 

@@ -11,6 +11,15 @@ environment (``make peer`` → ``.venv-peer``) through the standalone
 :mod:`kvbudget.bench.kvpress_runner` script; ours runs in this process, after it, never at the
 same time. Both sides warm up on one untimed run first.
 
+``repeats`` alternates the sides (kvpress pass, ours pass, kvpress pass, …; each kvpress pass is
+one runner process with its own warm-up) and keeps every repetition's rows; the summary takes,
+per (sample, method, budget), the median time over repeats, and checks that each side decoded the
+same token ids in every repeat (greedy decoding should be deterministic). Time is split the same
+way on both sides: ``prefill_s`` from the start to the prompt's last logits (compression
+included; the question's forward too when question-agnostic), ``decode_s`` from there to the last
+token, ``wall_s`` = their sum. The ``full`` pair (our ``full`` method ↔ no press, plain
+generation) is the accuracy ceiling: it runs once per sample, without a budget.
+
 :data:`PEERS` pairs each of our methods with the press and options that match it; where the
 algorithms still differ (allocation formulas, score normalisation), ``docs/benchmarks.md``
 says how.
@@ -50,7 +59,11 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # fmt: skip
     "tova": ("tova", {"press": "TOVAPress"}),
     "h2o": ("h2o:heavy_fraction=1.0", {"press": "ObservedAttentionPress", "attn": "eager"}),
+    "full": ("full", {"press": None}),  # the reference: no compression on either side
 }
+
+#: the times split per run (seconds), aggregated by median over repeats
+TIMES = ("wall_s", "prefill_s", "decode_s")
 
 
 def runner_script() -> Path:
@@ -71,14 +84,15 @@ def peer_python_path(path: str | os.PathLike[str]) -> Path | None:
 class PeerConfig:
     model: str = "smollm2-135m"
     tasks: list[str] = field(default_factory=lambda: ["needle"])
-    lengths: list[int] = field(default_factory=lambda: [2048])
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048])
     limit: int = 5
     methods: list[str] = field(default_factory=lambda: list(PEERS))
-    budgets: list[int] = field(default_factory=lambda: [256])
+    budgets: list[int] = field(default_factory=lambda: [128, 256, 512])
     dtype: str = "float32"
     seed: int = 0
     peer_python: str = ".venv-peer/bin/python"
     question_aware: bool = False
+    repeats: int = 1
 
     def validate(self) -> None:
         unknown = [m for m in self.methods if m not in PEERS]
@@ -88,6 +102,8 @@ class PeerConfig:
             )
         if self.limit < 1:
             raise KVBudgetError(f"limit must be ≥ 1, got {self.limit}")
+        if self.repeats < 1:
+            raise KVBudgetError(f"repeats must be ≥ 1, got {self.repeats}")
         if not self.budgets or any(b <= 0 for b in self.budgets):
             raise KVBudgetError(f"budgets must be positive integers, got {self.budgets}")
 
@@ -112,11 +128,22 @@ def export_samples(config: PeerConfig, tokenizer, eos: set[int], path: Path) -> 
     return rows
 
 
+def make_jobs(config: PeerConfig) -> list[dict[str, Any]]:
+    """One job per (method, budget) — ``full`` once, with budget None — compressed methods first
+    (both sides warm up on the first job)."""
+    methods = sorted(config.methods, key=lambda m: m == "full")
+    return [
+        {**PEERS[m][1], "method": m, "budget": b, "question_aware": config.question_aware}
+        for m in methods
+        for b in ([None] if m == "full" else config.budgets)
+    ]
+
+
 def run_ours(
-    model, sample: dict[str, Any], method: str, budget: int, question_aware: bool = False
+    model, sample: dict[str, Any], method: str, budget: int | None, question_aware: bool = False
 ) -> dict[str, Any]:
     """One sample through our method: question-agnostic prefill (or ``question_aware``: context and
-    question compressed together), compression in the prefill only."""
+    question compressed together), compression in the prefill only. ``budget`` None: ``full``."""
     import torch
 
     from kvbudget.engine import Prompt, decode_loop, prefill
@@ -124,19 +151,21 @@ def run_ours(
     from kvbudget.session import CompressionSession
 
     method_obj = MethodSpec.parse(PEERS[method][0]).build()
-    session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget)
     prompt = Prompt(sample["context_ids"], sample["question_ids"])
+    limit = budget if budget is not None else len(prompt.context_ids) + len(prompt.question_ids)
+    session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=limit)
     with torch.inference_mode():
         start = time.perf_counter()
         cache, logits, mask, last = prefill(
             model, [prompt], session, 0, compress_context_only=not question_aware
         )
-        prefilled = time.perf_counter()
-        stats = cache.stats()
+        prefill_s = time.perf_counter() - start
+        stats = cache.stats()  # not timed
         cache.session = None  # kvpress presses evict only in the prefill
         eos = set(sample["eos_ids"])
+        resumed = time.perf_counter()
         decoded = decode_loop(model, cache, logits, mask, last, eos, sample["max_new_tokens"])
-        end = time.perf_counter()
+        decode_s = time.perf_counter() - resumed
         final = cache.stats()
     # question-agnostic: count the compressed context only (kvpress counts before the question is fed)
     entry = cache.layers[0].entry_bytes()
@@ -144,7 +173,8 @@ def run_ours(
     question = model.config.num_hidden_layers * model.config.num_key_value_heads * appended
     return {
         "sample": sample["id"], "method": method, "budget": budget, "token_ids": decoded.generated[0],
-        "wall_s": end - start, "prefill_s": prefilled - start, "compress_s": session.compress_seconds,
+        "prefill_s": prefill_s, "decode_s": decode_s, "wall_s": prefill_s + decode_s,
+        "compress_s": session.compress_seconds,
         "kept_entries": stats.logical_bytes // entry - question,
         "allocated_entries": stats.physical_bytes // entry - question,
         "final_entries": final.logical_bytes // entry,
@@ -169,10 +199,38 @@ def run_kvpress(
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
+def over_repeats(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None], dict[str, Any]]:
+    """Per (sample, method, budget): the first repeat's row with each of :data:`TIMES` replaced by
+    its median over the repeats, plus ``repeats`` (how many rows) and ``deterministic`` (every
+    repeat decoded the same token ids). Rows without a ``repeat`` field count as repeat 0."""
+    groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["sample"], r["method"], r["budget"]), []).append(r)
+    merged = {}
+    for key, runs in groups.items():
+        runs = sorted(runs, key=lambda r: r.get("repeat", 0))
+        first = runs[0]
+        merged[key] = {
+            **first, **{t: statistics.median(r[t] for r in runs) for t in TIMES}, "repeats": len(runs),
+            "deterministic": all(r["token_ids"] == first["token_ids"] for r in runs),
+        }  # fmt: skip
+    return merged
+
+
+def _press_label(method: str) -> str:
+    press = PEERS[method][1]
+    if press["press"] is None:
+        return "no press"
+    return press["press"] + (f"({press['inner']['press']})" if "inner" in press else "")
+
+
 def summarise(
     samples: list[dict[str, Any]], ours: list[dict[str, Any]], theirs: list[dict[str, Any]], tokenizer
 ) -> list[dict[str, Any]]:
-    """Per (method, budget): accuracy of each side, answers that agree, wall-time ratio."""
+    """Per (task, length, method, budget): accuracy of each side, answers that agree, whether each
+    side decoded the same tokens in every repeat, and wall / prefill / decode seconds (sums over
+    the samples of each sample's median over repeats) with their ratios ours / kvpress. Accuracy
+    and answers are the first repeat's."""
     from kvbudget.eval.tasks import get_task
 
     by_id = {s["id"]: s for s in samples}
@@ -185,63 +243,102 @@ def summarise(
         text = tokenizer.decode(ids, skip_special_tokens=True)
         return float(get_task(sample["task"]).metric(text, sample["answers"]))
 
-    theirs_by = {(r["sample"], r["method"], r["budget"]): r for r in theirs}
-    groups: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
-    for r in ours:
-        other = theirs_by.get((r["sample"], r["method"], r["budget"]))
+    theirs_by = over_repeats(theirs)
+    groups: dict[tuple[str, int, str, int | None], list[tuple[dict, dict]]] = {}
+    for key, r in over_repeats(ours).items():
+        other = theirs_by.get(key)
         if other is not None:
-            groups.setdefault((r["method"], r["budget"]), []).append((r, other))
+            sample = by_id[r["sample"]]
+            group = (sample["task"], sample["length"], r["method"], r["budget"])
+            groups.setdefault(group, []).append((r, other))
     rows = []
-    for (method, budget), pairs in groups.items():
+    for (task, length, method, budget), pairs in groups.items():
         ours_scores = [score(a) for a, _ in pairs]
         peer_scores = [score(b) for _, b in pairs]
-        ours_time = sum(a["wall_s"] for a, _ in pairs)
-        peer_time = sum(b["wall_s"] for _, b in pairs)
-        rows.append({
-            "method": method, "budget": budget, "samples": len(pairs), "ours_spec": PEERS[method][0],
-            "press": PEERS[method][1]["press"] + (f"({PEERS[method][1]['inner']['press']})"
-                                                  if "inner" in PEERS[method][1] else ""),
+        row: dict[str, Any] = {
+            "task": task, "length": length, "method": method, "budget": budget, "samples": len(pairs),
+            "ours_spec": PEERS[method][0], "press": _press_label(method),
             "ours_accuracy": sum(ours_scores) / len(pairs), "kvpress_accuracy": sum(peer_scores) / len(pairs),
             "accuracy_diff_samples": sum(ours_scores) - sum(peer_scores),
             "same_answer": sum(a["token_ids"] == b["token_ids"] for a, b in pairs) / len(pairs),
-            "ours_wall_s": ours_time, "kvpress_wall_s": peer_time, "wall_ratio": ours_time / peer_time,
-            "ours_prefill_s": statistics.median(a["prefill_s"] for a, _ in pairs),
-            "kvpress_prefill_s": statistics.median(b["prefill_s"] for _, b in pairs),
-            "ours_kept_entries": statistics.median(a["kept_entries"] for a, _ in pairs),
-            "kvpress_kept_entries": statistics.median(b["kept_entries"] for _, b in pairs),
-            "ours_allocated_entries": statistics.median(a["allocated_entries"] for a, _ in pairs),
-            "kvpress_allocated_entries": statistics.median(b["allocated_entries"] for _, b in pairs),
-        })  # fmt: skip
+            "repeats": min(min(a["repeats"], b["repeats"]) for a, b in pairs),
+            "ours_deterministic": all(a["deterministic"] for a, _ in pairs),
+            "kvpress_deterministic": all(b["deterministic"] for _, b in pairs),
+            "ours_tokens": sum(len(a["token_ids"]) for a, _ in pairs),
+            "kvpress_tokens": sum(len(b["token_ids"]) for _, b in pairs),
+        }  # fmt: skip
+        for t in TIMES:
+            mine, peer = sum(a[t] for a, _ in pairs), sum(b[t] for _, b in pairs)
+            row[f"ours_{t}"], row[f"kvpress_{t}"] = mine, peer
+            row[f"{t.removesuffix('_s')}_ratio"] = mine / peer if peer > 0 else float("nan")
+        for field_ in ("kept_entries", "allocated_entries"):
+            row[f"ours_{field_}"] = statistics.median(a[field_] for a, _ in pairs)
+            row[f"kvpress_{field_}"] = statistics.median(b[field_] for _, b in pairs)
+        rows.append(row)
     return rows
 
 
-def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: dict[str, str]) -> str:
+def _row_order(r: dict[str, Any]) -> tuple:
+    """Per task and length: the full-cache reference first, then methods and budgets."""
+    return r["task"], r["length"], r["method"] != "full", r["method"], r["budget"] or 0
+
+
+def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> str:
+    def identical(r: dict[str, Any], side: str) -> str:
+        return "—" if r["repeats"] < 2 else ("yes" if r[f"{side}_deterministic"] else "**NO**")
+
+    def seconds(r: dict[str, Any], phase: str) -> str:
+        return f"{r[f'ours_{phase}_s']:.1f} / {r[f'kvpress_{phase}_s']:.1f} ({r[f'{phase}_ratio']:.2f})"
+
     lines = [
         "# kvbudget vs kvpress",
         "",
         f"Model `{config.model}` ({config.dtype}); tasks {', '.join(config.tasks)}; lengths "
         f"{', '.join(map(str, config.lengths))}; {config.limit} samples each; "
         f"{'question-aware' if config.question_aware else 'question-agnostic'}, compression "
-        f"in the prefill only, greedy. {versions}.",
+        f"in the prefill only, greedy; {config.repeats} repeat(s), sides alternating "
+        f"(kvpress first). {versions}.",
         "",
-        "| ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer | "
-        "wall s ours / kvpress (ratio) | entries kept ours / kvpress | allocated ours / kvpress |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Seconds are sums over the n samples of each sample's median over the repeats; ratio = "
+        "ours / kvpress. Prefill: start to the prompt's last logits (compression included; the "
+        "question's forward too when question-agnostic). Decode: from there to the last token. "
+        "Wall = prefill + decode. `full` (no compression, no press) is the accuracy ceiling. "
+        "Same tokens over repeats: whether each side decoded identical ids in every repeat.",
+        "",
+        "| task | length | ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer "
+        "| same tokens over repeats ours / kvpress | wall s ours / kvpress (ratio) "
+        "| prefill s ours / kvpress (ratio) | decode s ours / kvpress (ratio) | tokens ours / kvpress "
+        "| entries kept ours / kvpress | allocated ours / kvpress |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["method"], r["budget"])):
+    for r in sorted(rows, key=_row_order):
+        budget = "—" if r["budget"] is None else str(r["budget"])
         lines.append(
-            f"| `{r['ours_spec']}` | {r['press']} | {r['budget']} | {r['samples']} | "
+            f"| {r['task']} | {r['length']} | `{r['ours_spec']}` | {r['press']} | {budget} | "
+            f"{r['samples']} | "
             f"{100 * r['ours_accuracy']:.0f} / {100 * r['kvpress_accuracy']:.0f} | "
-            f"{r['accuracy_diff_samples']:+.0f} | "
-            f"{100 * r['same_answer']:.0f}% | {r['ours_wall_s']:.1f} / {r['kvpress_wall_s']:.1f} "
-            f"({r['wall_ratio']:.2f}) | {r['ours_kept_entries']:.0f} / {r['kvpress_kept_entries']:.0f} | "
+            f"{r['accuracy_diff_samples']:+.0f} | {100 * r['same_answer']:.0f}% | "
+            f"{identical(r, 'ours')} / {identical(r, 'kvpress')} | {seconds(r, 'wall')} | "
+            f"{seconds(r, 'prefill')} | {seconds(r, 'decode')} | "
+            f"{r['ours_tokens']} / {r['kvpress_tokens']} | "
+            f"{r['ours_kept_entries']:.0f} / {r['kvpress_kept_entries']:.0f} | "
             f"{r['ours_allocated_entries']:.0f} / {r['kvpress_allocated_entries']:.0f} |"
         )
+    unstable = [
+        f"{r['method']}@{r['budget']} ({r['task']} {r['length']}, "
+        + " and ".join(s for s in ("ours", "kvpress") if not r[f"{s}_deterministic"]) + ")"
+        for r in sorted(rows, key=_row_order)
+        if not (r["ours_deterministic"] and r["kvpress_deterministic"])
+    ]
+    if unstable:
+        lines += ["", f"**Greedy decoding was not deterministic across repeats** for: {'; '.join(unstable)}."]
     return "\n".join(lines) + "\n"
 
 
 def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | None = None) -> Path:
-    """Export samples, run kvpress (its environment), run ours, write ``peer.json`` and ``peer.md``."""
+    """Export samples; ``config.repeats`` times run kvpress (its environment) then ours; write every
+    run to ``kvpress.jsonl`` / ``ours.jsonl`` (field ``repeat``) and the summary to ``peer.json`` and
+    ``peer.md``."""
     from kvbudget.engine import eos_ids
     from kvbudget.models import _resolve_source, load_model
 
@@ -255,23 +352,25 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     model, tokenizer = load_model(config.model, dtype=config.dtype)
     eos = eos_ids(model, tokenizer)
     samples = export_samples(config, tokenizer, eos, out / "samples.jsonl")
-    jobs = [
-        {**PEERS[m][1], "method": m, "budget": b, "question_aware": config.question_aware}
-        for m in config.methods
-        for b in config.budgets
-    ]
-    say(f"kvpress: {len(samples)} samples × {len(jobs)} presses")
-    theirs = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
-                         out / "kvpress.jsonl", config.dtype)  # fmt: skip
-    say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods")
+    jobs = make_jobs(config)
     aware = config.question_aware
-    warmup = {**samples[0], "max_new_tokens": 2}
-    run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], aware)
-    ours = []
-    for sample in samples:
-        for job in jobs:
-            ours.append(run_ours(model, sample, job["method"], job["budget"], aware))
-    (out / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    ours: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    for rep in range(config.repeats):
+        tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
+        say(f"kvpress: {len(samples)} samples × {len(jobs)} presses{tag}")
+        rows = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
+                           out / f"kvpress.{rep}.jsonl", config.dtype)  # fmt: skip
+        theirs += [{**r, "repeat": rep} for r in rows]
+        say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods{tag}")
+        if rep == 0:  # later passes run on the warm process
+            warmup = {**samples[0], "max_new_tokens": 2}
+            run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], aware)
+        for sample in samples:
+            for job in jobs:
+                ours.append({**run_ours(model, sample, job["method"], job["budget"], aware), "repeat": rep})
+        for name, side in (("kvpress.jsonl", theirs), ("ours.jsonl", ours)):
+            (out / name).write_text("".join(json.dumps(r) + "\n" for r in side))
     rows = summarise(samples, ours, theirs, tokenizer)
     versions = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print('kvpress', m.version('kvpress'), "

@@ -429,7 +429,7 @@ def test_one_eviction_fast_path_equals_the_general_eviction(name: str, tied: boo
         method._run["tau"][0] = {0: torch.full((H,), 0.1)}
     fast = _layer_over_by_one(limit, scores.clone(), seed=2)
     general = _layer_over_by_one(limit, scores.clone(), seed=2)
-    for step in range(3):
+    for _ in range(3):
         assert fast_method._evict_one(fast, 0, [limit])
         general_method.evict(general, 0, [limit])
         assert torch.equal(fast.positions, general.positions)

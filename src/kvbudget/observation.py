@@ -108,7 +108,7 @@ class Observation:
         q = self.query.shape[2]
         n = self.keys.shape[2]
         if q == 1 and not self._has_invalid(n):  # a decode step: the last query sees every key
-            total = self._probs(self.query, n)[:, :, 0]
+            total = self._probs(self.query, n, has_invalid=False)[:, :, 0]
             self._memo[key] = total
             return total
         total = torch.zeros(
@@ -132,11 +132,12 @@ class Observation:
         """Whether any of the first ``visible`` keys of any row and head is invalid."""
         return bool((self.positions[:, :, :visible] < 0).any())
 
-    def _probs(self, query: torch.Tensor, visible: int) -> torch.Tensor:
+    def _probs(self, query: torch.Tensor, visible: int, has_invalid: bool | None = None) -> torch.Tensor:
         """Softmax (fp32) over the first ``visible`` keys of ``query: [b, q_heads, m, d]``.
 
         The queries are the tokens of keys ``visible - m .. visible - 1``: causal inside that block,
-        invalid keys masked (an invalid query attends to itself only).
+        invalid keys masked (an invalid query attends to itself only). ``has_invalid``: whether any of
+        those keys is invalid, when the caller already knows.
 
         Each GQA group's queries are multiplied with their KV head's keys in one matmul
         (``[b, kv_heads, group·m, d] @ [b, kv_heads, d, visible]``; the keys are not repeated per
@@ -148,7 +149,7 @@ class Observation:
         grouped = query.float().reshape(b, heads, (hq // heads) * m, d)
         logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, hq, m, visible)
         logits.mul_(self.scaling)
-        if self._has_invalid(visible):
+        if self._has_invalid(visible) if has_invalid is None else has_invalid:
             mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=True)
             if mask.shape[1] > 1:
                 mask = mask.repeat_interleave(self.group_size, dim=1)

@@ -476,3 +476,26 @@ def test_decoding_with_the_fast_path_equals_decoding_without_it(llama, chat_toke
         assert torch.equal(a.positions, b.positions)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.state["d2o_attention"], b.state["d2o_attention"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_entry_merge_is_bit_identical_to_the_scatter_merge(dtype: torch.dtype) -> None:
+    """A decode step's merge (one evicted entry per head) touches only the nearest kept row, with the
+    general scatter's arithmetic: same bits, merged heads and dropped heads alike."""
+    from kvbudget.merging import _merge_one, _merge_scatter
+
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        kc, vc = torch.randn(4, 9, 6, generator=g).to(dtype), torch.randn(4, 9, 5, generator=g).to(dtype)
+        ke, ve = torch.randn(4, 1, 6, generator=g).to(dtype), torch.randn(4, 1, 5, generator=g).to(dtype)
+        best = torch.rand(4, 1, generator=g) * 2 - 1
+        nearest = torch.randint(0, 9, (4, 1), generator=g)
+        merged = torch.tensor([[True], [False], [True], [False]])
+        one = _merge_one(kc, vc, ke, ve, best, nearest, merged)
+        general = _merge_scatter(kc, vc, ke, ve, best, nearest, merged)
+        for a, b, kept in zip(one, general, (kc, vc), strict=True):
+            assert a.dtype == kept.dtype and torch.equal(a, b)
+            changed = (a != kept).any(-1)  # [h, S]: only merged heads' nearest rows
+            for h in range(4):
+                rows = changed[h].nonzero().flatten().tolist()
+                assert rows == ([int(nearest[h, 0])] if merged[h, 0] else [])

@@ -102,11 +102,11 @@ class Observation:
         over valid keys (a decode step) is one softmax row, no mask; a block whose keys are all
         valid masks only its causal bottom-right ``m × m`` triangle, in place.
         """
-        key = ("colsum", chunk)
-        if key in self._memo:
-            return self._memo[key]
         q = self.query.shape[2]
         n = self.keys.shape[2]
+        key = ("colsum", chunk, q)  # an observation of fewer queries of the same layer sums fewer rows
+        if key in self._memo:
+            return self._memo[key]
         if q == 1 and not self._has_invalid(n):  # a decode step: the last query sees every key
             total = self._probs(self.query, n, has_invalid=False)[:, :, 0]
             self._memo[key] = total

@@ -248,6 +248,9 @@ class LookaheadMixin:
         else:
             budget, ratio = session.budget, session.ratio
         capture = QueryCapture(self.lookahead(), num_layers, budget=budget, ratio=ratio)
+        # The clone's prefill observations are the prompt's last queries over the same full layers:
+        # a shared prefill's window probabilities serve them too (memo keys name the query rows).
+        capture.observation_memos = session.observation_memos
         clone = BudgetCache(num_layers, capture)
         clone.attention_attached = True
         clone.layers = [layer.shallow_copy() for layer in cache.layers]

@@ -415,3 +415,36 @@ def test_baklava_snapkv_keeps_snapkv_choice_at_each_caches_own_budget():
             ref = make_method("snapkv", window=min(4, b), kernel=3)
             ref.compress(Observation(layer_idx, 4, q, ref_layer, 8**-0.5), [b])
             assert mine.head(h)[2][0].tolist() == ref_layer.head(h)[2][0].tolist(), (layer_idx, h, b)
+
+
+@pytest.mark.parametrize("pad", [0, 9])
+def test_baklava_decode_steps_keep_sinks_and_the_most_recent_entries(tmp_path, pad):
+    """After decode steps every cache still holds its first 4 and its most recent entries, at its
+    budget — unpadded (the all-valid path) and as the shorter row of a left-padded batch."""
+    model = tiny_model()
+    path = save_profile(_profile(model), tmp_path / "p.json")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 90, (2, 100), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    method = make_method("baklava", profile=str(path), t=0.5, r=0.5, p=0.5)
+    cache = kvbudget.compress(model, ids, method=method, budget=20, attention_mask=mask)
+    planned = [[layer.head_lengths()[r].tolist() for layer in cache.layers] for r in range(2)]
+    steps = 5
+    with torch.no_grad():
+        token = ids[:, -1:]
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], 1)
+            out = model(token, attention_mask=mask, past_key_values=cache)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+    seen = 100 + steps
+    for r, first in ((0, 0), (1, pad)):
+        for i, layer in enumerate(cache.layers):
+            for h in range(2):
+                pos = layer.head(h)[2][r]
+                pos = pos[pos >= 0].tolist()
+                b = planned[r][i][h]
+                assert len(pos) == b
+                sinks = min(4, b)
+                want = list(range(first, first + sinks)) + list(range(seen - (b - sinks), seen))
+                assert pos == want, (r, i, h)

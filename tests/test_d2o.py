@@ -403,3 +403,99 @@ def test_d2o_rejects_bad_options():
         make_method("d2o", beta=1.5)
     with pytest.raises(UnknownMethodError, match="variance"):
         make_method("d2o", variance="entropy")
+
+
+# ------------------------------------------------------------------------------ one-eviction fast path
+def _layer_over_by_one(limit: int, scores: torch.Tensor, seed: int) -> BudgetLayer:
+    g = torch.Generator().manual_seed(seed)
+    layer = BudgetLayer()
+    layer.update(torch.randn(1, H, limit + 1, D, generator=g), torch.randn(1, H, limit + 1, D, generator=g))
+    layer.state["d2o_attention"] = scores
+    return layer
+
+
+@pytest.mark.parametrize("name", ["d2o", "d2o-nomerge"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_eviction_fast_path_equals_the_general_eviction(name: str, tied: bool) -> None:
+    """The decode-step fast path evicts and merges exactly what the general top-k path does — also
+    when unprotected scores tie (the latest tied slot leaves) — over several steps of τ updates."""
+    limit = 14
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(1, H, limit + 1, generator=g)
+    if tied:
+        scores = (scores * 3).floor()  # many equal scores among the candidates
+    fast_method, general_method = make_method(name), make_method(name)
+    for method in (fast_method, general_method):  # a τ from an earlier eviction
+        method._run["tau"][0] = {0: torch.full((H,), 0.1)}
+    fast = _layer_over_by_one(limit, scores.clone(), seed=2)
+    general = _layer_over_by_one(limit, scores.clone(), seed=2)
+    for _ in range(3):
+        assert fast_method._evict_one(fast, 0, [limit])
+        general_method.evict(general, 0, [limit])
+        assert torch.equal(fast.positions, general.positions)
+        assert torch.equal(fast.keys, general.keys) and torch.equal(fast.values, general.values)
+        assert torch.equal(fast.state["d2o_attention"], general.state["d2o_attention"])
+        if name == "d2o":
+            assert torch.equal(fast_method._run["tau"][0][0], general_method._run["tau"][0][0])
+        k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+        new_score = torch.rand(1, H, 1, generator=g).floor() if tied else torch.rand(1, H, 1, generator=g)
+        for layer in (fast, general):
+            layer.update(k, v)
+            layer.state["d2o_attention"] = torch.cat([layer.state["d2o_attention"][..., :-1], new_score], -1)
+    # the fast path declines what it does not cover: two entries over, or an invalid entry
+    assert not fast_method._evict_one(fast, 0, [limit - 1])
+    fast.positions = fast.positions.clone()
+    fast.positions[0, 0, 3] = -1
+    assert not fast_method._evict_one(fast, 0, [limit])
+
+
+def test_decoding_with_the_fast_path_equals_decoding_without_it(llama, chat_tokenizer, monkeypatch):
+    context = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
+    from kvbudget.methods.d2o import D2O
+
+    original, calls = D2O._evict_one, {"fast": 0}
+
+    def counting(self, *args):
+        done = original(self, *args)
+        calls["fast"] += done
+        return done
+
+    def run():
+        return kvbudget.generate(
+            llama, chat_tokenizer, context, "What?", method="d2o", budget=30, max_new_tokens=12,
+            return_cache=True,
+        )  # fmt: skip
+
+    monkeypatch.setattr(D2O, "_evict_one", counting)
+    fast = run()
+    assert calls["fast"] >= 4 * (len(fast.token_ids) - 1) > 0  # every layer, every step
+    monkeypatch.setattr(D2O, "_evict_one", lambda self, *args: False)
+    general = run()
+    assert fast.token_ids == general.token_ids
+    for a, b in zip(fast.cache.layers, general.cache.layers, strict=True):
+        assert torch.equal(a.positions, b.positions)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.state["d2o_attention"], b.state["d2o_attention"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_entry_merge_is_bit_identical_to_the_scatter_merge(dtype: torch.dtype) -> None:
+    """A decode step's merge (one evicted entry per head) touches only the nearest kept row, with the
+    general scatter's arithmetic: same bits, merged heads and dropped heads alike."""
+    from kvbudget.merging import _merge_one, _merge_scatter
+
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        kc, vc = torch.randn(4, 9, 6, generator=g).to(dtype), torch.randn(4, 9, 5, generator=g).to(dtype)
+        ke, ve = torch.randn(4, 1, 6, generator=g).to(dtype), torch.randn(4, 1, 5, generator=g).to(dtype)
+        best = torch.rand(4, 1, generator=g) * 2 - 1
+        nearest = torch.randint(0, 9, (4, 1), generator=g)
+        merged = torch.tensor([[True], [False], [True], [False]])
+        one = _merge_one(kc, vc, ke, ve, best, nearest, merged)
+        general = _merge_scatter(kc, vc, ke, ve, best, nearest, merged)
+        for a, b, kept in zip(one, general, (kc, vc), strict=True):
+            assert a.dtype == kept.dtype and torch.equal(a, b)
+            changed = (a != kept).any(-1)  # [h, S]: only merged heads' nearest rows
+            for h in range(4):
+                rows = changed[h].nonzero().flatten().tolist()
+                assert rows == ([int(nearest[h, 0])] if merged[h, 0] else [])

@@ -68,7 +68,7 @@ def d2o_merge(
             order). tau: ``[h]`` the previous threshold, or ``None`` at the first eviction.
         beta: EMA smoothing constant β (paper 0.7).
     """
-    heads, _, dim = kept_keys.shape
+    heads = kept_keys.shape[0]
     e_count = evicted_keys.shape[1]
     if e_count == 0:
         empty = torch.zeros((heads, 0), dtype=torch.bool, device=kept_keys.device)
@@ -78,22 +78,47 @@ def d2o_merge(
     ke = evicted_keys.float()
     u = torch.nn.functional.normalize(ke, dim=-1) @ torch.nn.functional.normalize(kc, dim=-1).transpose(1, 2)
     best, nearest = u.max(dim=-1)  # [h, E]
-    merged = torch.zeros_like(best, dtype=torch.bool)
     if tau is None:
         tau = best.mean(-1)
         merged = best >= tau[:, None]
+    elif e_count == 1:
+        tau = beta * best[:, 0] + (1.0 - beta) * tau.to(best.device, torch.float32)
+        merged = best >= tau[:, None]
     else:
         tau = tau.to(best.device, torch.float32)
+        merged = torch.zeros_like(best, dtype=torch.bool)
         for i in range(e_count):
             tau = beta * best[:, i] + (1.0 - beta) * tau
             merged[:, i] = best[:, i] >= tau
     if not threshold:
         merged = torch.ones_like(merged)
+    fold = _merge_one if e_count == 1 else _merge_scatter  # one entry per head: a decode step
+    keys, values = fold(kept_keys, kept_values, evicted_keys, evicted_values, best, nearest, merged)
+    return D2OMerge(keys, values, tau, merged, nearest, best)
+
+
+def _merge_scatter(
+    kept_keys: torch.Tensor,
+    kept_values: torch.Tensor,
+    evicted_keys: torch.Tensor,
+    evicted_values: torch.Tensor,
+    best: torch.Tensor,
+    nearest: torch.Tensor,
+    merged: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 12 for any number of evicted entries: every kept row's weighted sum by one scatter.
+
+    ``kept_*: [h, S, d]``, ``evicted_*: [h, E, d]``; ``best, nearest, merged: [h, E]``. Kept rows
+    that receive nothing are returned bit-identical.
+    """
+    kc = kept_keys.float()
+    dim = kc.shape[-1]
     weight = torch.exp(best) * merged  # [h, E]: exp(u_ij)·m_ij
     denominator = torch.full(kc.shape[:2], math.e, dtype=torch.float32, device=kc.device)
     denominator.scatter_add_(1, nearest, weight)
     index = nearest[..., None].expand(-1, -1, dim)
-    new_k = (math.e * kc).scatter_add_(1, index, weight[..., None] * ke) / denominator[..., None]
+    new_k = (math.e * kc).scatter_add_(1, index, weight[..., None] * evicted_keys.float())
+    new_k = new_k / denominator[..., None]
     vdim = kept_values.shape[-1]
     v_index = nearest[..., None].expand(-1, -1, vdim)
     new_v = (math.e * kept_values.float()).scatter_add_(
@@ -102,7 +127,34 @@ def d2o_merge(
     touched = (denominator > math.e)[..., None]
     keys = torch.where(touched, new_k.to(kept_keys.dtype), kept_keys)
     values = torch.where(touched, new_v.to(kept_values.dtype), kept_values)
-    return D2OMerge(keys, values, tau, merged, nearest, best)
+    return keys, values
+
+
+def _merge_one(
+    kept_keys: torch.Tensor,
+    kept_values: torch.Tensor,
+    evicted_keys: torch.Tensor,
+    evicted_values: torch.Tensor,
+    best: torch.Tensor,
+    nearest: torch.Tensor,
+    merged: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 12 for one evicted entry per head (``E = 1``): only each head's nearest kept row changes.
+
+    The same arithmetic, in the same order, as :func:`_merge_scatter` restricted to that row —
+    ``(e·k_j + w·k_i) / (e + w)`` — so the results are bit-identical to it; a head whose entry is
+    dropped keeps its row untouched. ``best, nearest, merged: [h, 1]``.
+    """
+    weight = torch.exp(best) * merged  # [h, 1]
+    denominator = math.e + weight  # [h, 1]
+    out = []
+    for kept, evicted in ((kept_keys, evicted_keys), (kept_values, evicted_values)):
+        index = nearest[..., None].expand(-1, -1, kept.shape[-1])  # [h, 1, d]
+        row = kept.gather(1, index)  # [h, 1, d]
+        new_row = (math.e * row.float() + weight[..., None] * evicted.float()) / denominator[..., None]
+        new_row = torch.where(merged[..., None], new_row.to(kept.dtype), row)
+        out.append(kept.clone().scatter_(1, index, new_row))
+    return out[0], out[1]
 
 
 def cam_merge(

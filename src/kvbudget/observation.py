@@ -14,6 +14,9 @@ import torch
 from kvbudget.attention import attention_mask_for
 from kvbudget.cache import BudgetLayer
 
+#: queries per block of :meth:`Observation.column_sums` (its logits stay in the CPU cache)
+QUERY_BLOCK = 64
+
 
 @dataclass
 class Observation:
@@ -91,41 +94,70 @@ class Observation:
     def column_sums(self, chunk: int = 512) -> torch.Tensor:
         """Attention received by each key, summed over all queries of this forward: ``[b, q_heads, n]``.
 
-        Computed ``chunk`` queries at a time, so the full ``q × n`` matrix never exists.
-        Queries of invalid (pad) tokens contribute nothing.
+        Computed at most ``chunk`` queries at a time (in blocks of :data:`QUERY_BLOCK` queries, whose
+        ``q_heads × block × n`` logits stay in the CPU cache), so the full ``q × n`` matrix never
+        exists. Queries of invalid (pad) tokens contribute nothing.
+
+        Fast paths (same values up to float rounding, see ``tests/test_observation.py``): one query
+        over valid keys (a decode step) is one softmax row, no mask; a block whose keys are all
+        valid masks only its causal bottom-right ``m × m`` triangle, in place.
         """
-        key = ("colsum", chunk)
-        if key in self._memo:
-            return self._memo[key]
         q = self.query.shape[2]
         n = self.keys.shape[2]
+        key = ("colsum", chunk, q)  # an observation of fewer queries of the same layer sums fewer rows
+        if key in self._memo:
+            return self._memo[key]
+        if q == 1 and not self._has_invalid(n):  # a decode step: the last query sees every key
+            total = self._probs(self.query, n, has_invalid=False)[:, :, 0]
+            self._memo[key] = total
+            return total
         total = torch.zeros(
             (self.query.shape[0], self.query.shape[1], n), dtype=torch.float32, device=self.keys.device
         )
         query_valid = self.positions[:, 0, n - q :] >= 0  # [b, q]
-        for start in range(0, q, chunk):
-            stop = min(start + chunk, q)
+        weigh = not bool(query_valid.all())
+        step = max(1, min(chunk, QUERY_BLOCK))
+        for start in range(0, q, step):
+            stop = min(start + step, q)
             # keys visible to queries start..stop-1: everything up to their own token
             visible = n - q + stop
             probs = self._probs(self.query[:, :, start:stop], visible)
-            probs = probs * query_valid[:, None, start:stop, None]
+            if weigh:
+                probs = probs * query_valid[:, None, start:stop, None]
             total[:, :, :visible] += probs.sum(dim=2)
         self._memo[key] = total
         return total
 
-    def _probs(self, query: torch.Tensor, visible: int) -> torch.Tensor:
+    def _has_invalid(self, visible: int) -> bool:
+        """Whether any of the first ``visible`` keys of any row and head is invalid."""
+        return bool((self.positions[:, :, :visible] < 0).any())
+
+    def _probs(self, query: torch.Tensor, visible: int, has_invalid: bool | None = None) -> torch.Tensor:
         """Softmax (fp32) over the first ``visible`` keys of ``query: [b, q_heads, m, d]``.
 
         The queries are the tokens of keys ``visible - m .. visible - 1``: causal inside that block,
-        invalid keys masked.
+        invalid keys masked (an invalid query attends to itself only). ``has_invalid``: whether any of
+        those keys is invalid, when the caller already knows.
+
+        Each GQA group's queries are multiplied with their KV head's keys in one matmul
+        (``[b, kv_heads, group·m, d] @ [b, kv_heads, d, visible]``; the keys are not repeated per
+        query head), and the logits are masked in place.
         """
-        m = query.shape[2]
-        keys = self.keys[:, :, :visible].repeat_interleave(self.group_size, dim=1).float()
-        logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * self.scaling
-        mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=True)
-        if mask.shape[1] > 1:
-            mask = mask.repeat_interleave(self.group_size, dim=1)
-        return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        b, hq, m, d = query.shape
+        heads = self.num_kv_heads
+        keys = self.keys[:, :, :visible].float()
+        grouped = query.float().reshape(b, heads, (hq // heads) * m, d)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, hq, m, visible)
+        logits.mul_(self.scaling)
+        if self._has_invalid(visible) if has_invalid is None else has_invalid:
+            mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=True)
+            if mask.shape[1] > 1:
+                mask = mask.repeat_interleave(self.group_size, dim=1)
+            logits.masked_fill_(~mask, float("-inf"))
+        elif m > 1:  # all keys valid: only the queries' own block is causal
+            future = torch.ones((m, m), dtype=torch.bool, device=logits.device).triu_(1)
+            logits[..., visible - m :].masked_fill_(future, float("-inf"))
+        return torch.softmax(logits, dim=-1)
 
 
 def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:

@@ -165,7 +165,8 @@ class D2O(Method):
         for r, budget in enumerate(row_budgets):
             planned = self.layer_budgets(r)
             limits.append(budget if planned is None else planned[obs.layer_idx])
-        self.evict(obs.layer, obs.layer_idx, limits)
+        if not self._evict_one(obs.layer, obs.layer_idx, limits):
+            self.evict(obs.layer, obs.layer_idx, limits)
 
     # ------------------------------------------------------------------ eviction + merging
     def evict(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> None:
@@ -182,40 +183,86 @@ class D2O(Method):
         if chosen is None:
             return
         keep, over = chosen
+        if not self.merge:
+            layer.keep(keep)
+            return
         valid = layer.positions >= 0
-        merged = {}
-        if self.merge:
-            taus = self._run["tau"].setdefault(layer_idx, {})
-            for r in range(len(limits)):
-                if over[r]:
-                    merged[r] = self._merge_row(layer, r, keep[r], valid[r], taus)
+        evicted = {
+            r: self._gather_evicted(layer, r, self._evicted_slots(keep[r], valid[r]))
+            for r in range(len(limits)) if over[r]
+        }  # fmt: skip
         layer.keep(keep)
-        if merged:
-            keys, values = layer.keys.clone(), layer.values.clone()
-            for r, (k, v) in merged.items():
-                keys[r, :, : k.shape[1]] = k
-                values[r, :, : v.shape[1]] = v
-            layer.keys, layer.values = keys, values
+        self._merge_rows(layer, layer_idx, evicted)
 
-    def _merge_row(
-        self, layer: BudgetLayer, row: int, keep: list[torch.Tensor], valid: torch.Tensor, taus: dict
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merged kept keys and values ``[h, S, d]`` of batch ``row``; updates ``taus[row]``."""
+    def _evict_one(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> bool:
+        """Fast path of :meth:`evict` for a decode step's steady state: one batch row, every entry
+        valid, every head exactly one entry over its limit (the token just appended), sinks and
+        window not covering the layer. The evicted entry of each head is then the lowest-scored
+        unprotected one (on a tie the latest slot, as :func:`~kvbudget.selection.select_keep`'s
+        stable sort leaves it) — the same choice and the same merge as :meth:`evict`, from a
+        handful of tensor operations instead of a general top-k. Returns False (nothing done)
+        when the case does not apply."""
+        if layer.is_ragged or len(limits) != 1 or limits[0] is None:
+            return False
+        positions = layer.positions
+        n = positions.shape[-1]
+        limit = limits[0]
+        recent = self.recent_for(limit)
+        if n != limit + 1 or self.sinks + recent >= n or bool((positions < 0).any()):
+            return False
+        candidates = layer.state[self.state_name][0, :, self.sinks : n - recent]  # [h, c]
+        last_min = candidates.shape[-1] - 1 - torch.argmin(candidates.flip(-1), dim=-1)  # [h]
+        drop = (last_min + self.sinks).to(positions.device)
+        slots = torch.arange(n - 1, device=positions.device).expand(positions.shape[1], -1)
+        kept = slots + (slots >= drop[:, None])  # [h, n - 1] every slot but the dropped one, in order
+        evicted = {0: self._gather_evicted(layer, 0, drop[:, None])} if self.merge else {}
+        layer.keep([list(kept.unbind(0))])
+        self._merge_rows(layer, layer_idx, evicted)
+        return True
+
+    def _evicted_slots(self, keep: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+        """``[h, E]`` slots of one batch row's valid entries not in ``keep[h]``, in slot order."""
         kept_idx = torch.stack(keep).to(valid.device)  # [h, S]
         dropped = valid.clone()
         dropped.scatter_(1, kept_idx, False)
         counts = dropped.sum(-1)
         if bool((counts != counts[0]).any()):
             raise KVBudgetError(f"{self.name}: heads of one row evicted different numbers of entries")
-        evicted_idx = dropped.nonzero()[:, 1].view(dropped.shape[0], -1)  # [h, E], slot order
-        keys, values = layer.keys[row], layer.values[row]  # [h, n, d]
-        gather = lambda t, idx: t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
-        out = d2o_merge(
-            gather(keys, kept_idx), gather(values, kept_idx), gather(keys, evicted_idx),
-            gather(values, evicted_idx), taus.get(row), self.beta, self.threshold,
-        )  # fmt: skip
-        taus[row] = out.tau
-        return out.keys, out.values
+        return dropped.nonzero()[:, 1].view(dropped.shape[0], -1)
+
+    @staticmethod
+    def _gather_evicted(
+        layer: BudgetLayer, row: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[h, E, d]`` of batch ``row``'s ``slots: [h, E]`` (read before eviction)."""
+        take = lambda t: t[row].gather(1, slots[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
+        return take(layer.keys), take(layer.values)
+
+    def _merge_rows(
+        self, layer: BudgetLayer, layer_idx: int, evicted: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Merge each row's evicted keys and values ``evicted[r]: ([h, E, d], [h, E, d])`` into what
+        ``layer`` kept (updating the row's ``τ``). The layer's kept keys and values are the merge's
+        kept entries: ``layer.keep`` gathered them in slot order."""
+        taus = self._run["tau"].setdefault(layer_idx, {})
+        merged = {}
+        for r, (ev_keys, ev_values) in evicted.items():
+            out = d2o_merge(
+                layer.keys[r], layer.values[r], ev_keys, ev_values, taus.get(r), self.beta, self.threshold
+            )
+            taus[r] = out.tau
+            merged[r] = out.keys, out.values
+        if not merged:
+            return
+        if len(merged) == layer.keys.shape[0]:  # every row merged: stack the rows, no copy of the layer
+            layer.keys = torch.stack([merged[r][0] for r in range(len(merged))])
+            layer.values = torch.stack([merged[r][1] for r in range(len(merged))])
+            return
+        new_keys, new_values = layer.keys.clone(), layer.values.clone()
+        for r, (k, v) in merged.items():
+            new_keys[r, :, : k.shape[1]] = k
+            new_values[r, :, : v.shape[1]] = v
+        layer.keys, layer.values = new_keys, new_values
 
 
 @dataclass

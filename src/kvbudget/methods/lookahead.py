@@ -85,10 +85,15 @@ class LookaheadObservation(Observation):
         return self._memo["lookahead"]
 
     def _pseudo_probs(self) -> torch.Tensor:
-        keys = self.keys.repeat_interleave(self.group_size, dim=1).float()
-        logits = torch.matmul(self.pseudo_query.float(), keys.transpose(-1, -2)) * self.scaling
-        visible = self.valid.repeat_interleave(self.group_size, dim=1)[:, :, None, :]  # [b, hq, 1, n]
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        b, hq, m, d = self.pseudo_query.shape
+        heads, n = self.num_kv_heads, self.keys.shape[2]
+        grouped = self.pseudo_query.float().reshape(b, heads, (hq // heads) * m, d)  # one matmul per KV head
+        logits = torch.matmul(grouped, self.keys.float().transpose(-1, -2)).view(b, heads, hq // heads, m, n)
+        logits.mul_(self.scaling)
+        valid = self.valid
+        if not bool(valid.all()):
+            logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        probs = torch.softmax(logits.view(b, hq, m, n), dim=-1)
         if self.pseudo_valid is not None:
             probs = probs * self.pseudo_valid[:, None, :, None].to(probs.device, probs.dtype)
         return probs
@@ -243,6 +248,9 @@ class LookaheadMixin:
         else:
             budget, ratio = session.budget, session.ratio
         capture = QueryCapture(self.lookahead(), num_layers, budget=budget, ratio=ratio)
+        # The clone's prefill observations are the prompt's last queries over the same full layers:
+        # a shared prefill's window probabilities serve them too (memo keys name the query rows).
+        capture.observation_memos = session.observation_memos
         clone = BudgetCache(num_layers, capture)
         clone.attention_attached = True
         clone.layers = [layer.shallow_copy() for layer in cache.layers]

@@ -132,6 +132,18 @@ class Observation:
         """Whether any of the first ``visible`` keys of any row and head is invalid."""
         return bool((self.positions[:, :, :visible] < 0).any())
 
+    def scaled_logits(self, query: torch.Tensor, visible: int) -> torch.Tensor:
+        """``scaling · query · keyᵀ`` over the first ``visible`` keys, fp32: ``query: [b, q_heads, m, d]``
+        → ``[b, q_heads, m, visible]``. Each GQA group's queries are multiplied with their KV head's
+        keys in one matmul (``[b, kv_heads, group·m, d] @ [b, kv_heads, d, visible]``), so the keys
+        are never repeated per query head."""
+        b, hq, m, d = query.shape
+        heads = self.num_kv_heads
+        keys = self.keys[:, :, :visible].float()
+        grouped = query.float().reshape(b, heads, (hq // heads) * m, d)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, hq, m, visible)
+        return logits.mul_(self.scaling)
+
     def _probs(self, query: torch.Tensor, visible: int, has_invalid: bool | None = None) -> torch.Tensor:
         """Softmax (fp32) over the first ``visible`` keys of ``query: [b, q_heads, m, d]``.
 
@@ -139,16 +151,10 @@ class Observation:
         invalid keys masked (an invalid query attends to itself only). ``has_invalid``: whether any of
         those keys is invalid, when the caller already knows.
 
-        Each GQA group's queries are multiplied with their KV head's keys in one matmul
-        (``[b, kv_heads, group·m, d] @ [b, kv_heads, d, visible]``; the keys are not repeated per
-        query head), and the logits are masked in place.
+        The logits come from :meth:`scaled_logits` and are masked in place.
         """
-        b, hq, m, d = query.shape
-        heads = self.num_kv_heads
-        keys = self.keys[:, :, :visible].float()
-        grouped = query.float().reshape(b, heads, (hq // heads) * m, d)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, hq, m, visible)
-        logits.mul_(self.scaling)
+        m = query.shape[2]
+        logits = self.scaled_logits(query, visible)
         if self._has_invalid(visible) if has_invalid is None else has_invalid:
             mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=True)
             if mask.shape[1] > 1:

@@ -85,15 +85,13 @@ class LookaheadObservation(Observation):
         return self._memo["lookahead"]
 
     def _pseudo_probs(self) -> torch.Tensor:
-        b, hq, m, d = self.pseudo_query.shape
+        b, hq, m, _ = self.pseudo_query.shape
         heads, n = self.num_kv_heads, self.keys.shape[2]
-        grouped = self.pseudo_query.float().reshape(b, heads, (hq // heads) * m, d)  # one matmul per KV head
-        logits = torch.matmul(grouped, self.keys.float().transpose(-1, -2)).view(b, heads, hq // heads, m, n)
-        logits.mul_(self.scaling)
+        logits = self.scaled_logits(self.pseudo_query, n)
         valid = self.valid
         if not bool(valid.all()):
-            logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-        probs = torch.softmax(logits.view(b, hq, m, n), dim=-1)
+            logits.view(b, heads, hq // heads, m, n).masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         if self.pseudo_valid is not None:
             probs = probs * self.pseudo_valid[:, None, :, None].to(probs.device, probs.dtype)
         return probs

@@ -217,20 +217,14 @@ class ProfiledMethod(Method):
             return
         self.check_shape(obs)
         keep: list[list[torch.Tensor]] = []
-        counts = lengths.tolist()
         for r in range(len(row_budgets)):
             row = []
-            for h, b in enumerate(limits[r].tolist()):
-                n = positions[h].shape[-1]
-                if counts[r][h] == n and n > b:  # every slot valid: the first sinks and the last b − sinks
+            for h in range(heads):
+                slots = (positions[h][r] >= 0).nonzero().flatten()
+                b = int(limits[r][h])
+                if slots.numel() > b:
                     sinks = min(self.sinks, b)
-                    slots = torch.arange(b, device=positions[h].device)
-                    slots[sinks:] += n - b
-                else:
-                    slots = (positions[h][r] >= 0).nonzero().flatten()
-                    if slots.numel() > b:
-                        sinks = min(self.sinks, b)
-                        slots = torch.cat([slots[:sinks], slots[slots.numel() - (b - sinks) :]])
+                    slots = torch.cat([slots[:sinks], slots[slots.numel() - (b - sinks) :]])
                 row.append(slots)
             keep.append(row)
         layer.keep(keep)

@@ -373,6 +373,22 @@ def test_cache_trace_is_flat_for_d2o_and_grows_for_the_full_cache(llama, chat_to
     assert full.cache_trace == [(full.prompt_tokens + 1 + i) * per_step for i in range(len(full.cache_trace))]
 
 
+def test_decode_loop_without_trace_decodes_the_same_tokens(llama, chat_tokenizer):
+    """``trace=False`` (what the benchmarks time) only skips the per-step entry count."""
+    from kvbudget.engine import build_prompt, decode_loop, prefill
+    from kvbudget.session import CompressionSession
+
+    prompt = build_prompt(chat_tokenizer, "The quick brown fox jumps over the lazy dog. " * 4, "What?")
+    runs = []
+    for trace in (True, False):
+        session = CompressionSession(make_method("d2o"), llama.config.num_hidden_layers, budget=24)
+        cache, logits, mask, last = prefill(llama, [prompt], session, chat_tokenizer.pad_token_id)
+        runs.append(decode_loop(llama, cache, logits, mask, last, set(), 12, trace=trace))
+    traced, untraced = runs
+    assert untraced.generated == traced.generated and untraced.steps == traced.steps == 11
+    assert len(traced.trace[0]) == 11 and untraced.trace == [[]]
+
+
 @pytest.mark.integration
 def test_d2o_holds_every_layer_at_its_budget_while_decoding_on_the_real_model(real_model):
     """Ratio 0.2, 40 greedy steps on smollm2 (the 512-step run is in docs/results.md): after every

@@ -118,7 +118,7 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
     monkeypatch.setattr(peer, "run_ours", lambda *a: calls.append("ours") or real_ours(*a))
     config = peer.PeerConfig(
         model=str(model_dir), tasks=["needle_filler"], lengths=[300], limit=1, methods=["full", "snapkv"],
-        budgets=[96], peer_python=str(PEER), repeats=2,
+        budgets=[96], peer_python=str(PEER), repeats=2, interleave=False,
     )  # fmt: skip
     out = tmp_path / "out"
     result = json.loads(peer.run_peer(config, out).read_text())
@@ -154,3 +154,64 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
     text = (out / "peer.md").read_text()
     assert "| needle_filler | 300 | `full` | no press | — | 1 |" in text
     assert "decode s ours / kvpress (ratio)" in text and "2 repeat(s)" in text
+
+
+def test_bench_peer_interleaves_the_sides_run_by_run(tmp_path: Path, monkeypatch) -> None:
+    """The default mode: one kvpress process kept up, each (repeat, sample, job) run on both sides
+    back to back with the first side alternating, and the same answers as the pass-by-pass mode."""
+    from conftest import tiny_tokenizer
+    from kvbudget.bench import peer
+
+    model_dir = tmp_path / "model"
+    tiny_model("llama", seed=3).save_pretrained(model_dir)
+    tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
+    calls: list[tuple[str, str]] = []
+    real_run, real_ours = peer.KvpressServer.run, peer.run_ours
+    jobs: list[dict] = []
+
+    def their_run(self, sample: int, job: int) -> dict:
+        calls.append(("kvpress", jobs[job]["method"]))
+        return real_run(self, sample, job)
+
+    def our_run(model, sample, method, budget, aware):
+        calls.append(("ours", method))
+        return real_ours(model, sample, method, budget, aware)
+
+    monkeypatch.setattr(peer.KvpressServer, "run", their_run)
+    monkeypatch.setattr(peer, "run_ours", our_run)
+    monkeypatch.setattr(peer, "SETTLE_S", 0.0)
+    monkeypatch.setattr(peer, "run_kvpress", lambda *a: pytest.fail("no kvpress pass when interleaving"))
+    config = peer.PeerConfig(
+        model=str(model_dir), tasks=["needle_filler"], lengths=[300], limit=2, methods=["full", "snapkv"],
+        budgets=[96], peer_python=str(PEER), repeats=2,
+    )  # fmt: skip
+    jobs += peer.make_jobs(config)
+    out = tmp_path / "out"
+    result = json.loads(peer.run_peer(config, out).read_text())
+    assert calls[0] == ("ours", "snapkv")  # our warm-up (kvpress's is inside its process)
+    runs = calls[1:]
+    assert len(runs) == 2 * 2 * 2 * 2  # repeats × samples × jobs × sides
+    pairs = [runs[k : k + 2] for k in range(0, len(runs), 2)]
+    for n, (first, second) in enumerate(pairs):
+        assert first[1] == second[1] and {first[0], second[0]} == {"kvpress", "ours"}
+        rep, sample, job = n // 4, n // 2 % 2, n % 2
+        assert first[0] == ("kvpress" if (rep + sample + job) % 2 == 0 else "ours")
+    sides = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+             for name in ("ours", "kvpress")}  # fmt: skip
+    for name, rows in sides.items():
+        assert len(rows) == 8 and {r["repeat"] for r in rows} == {0, 1}
+        assert sum(r["first"] for r in rows) == 4, name
+    by_method = {r["method"]: r for r in result["rows"]}
+    for row in by_method.values():
+        assert row["repeats"] == 2 and row["samples"] == 2 and row["same_answer"] == 1.0
+    assert "interleaved run by run" in (out / "peer.md").read_text()
+
+
+def test_kvpress_server_that_cannot_start_raises_a_clear_error(tmp_path: Path) -> None:
+    from kvbudget.bench.peer import KvpressServer
+    from kvbudget.errors import KVBudgetError
+
+    (tmp_path / "samples.jsonl").write_text("")
+    with pytest.raises(KVBudgetError, match="the kvpress runner stopped"):
+        KvpressServer(PEER, tmp_path / "none", tmp_path / "samples.jsonl", [], tmp_path / "k.log", "float32")
+    assert (tmp_path / "k.log").read_text()  # the runner's traceback is kept

@@ -390,7 +390,7 @@ def bench_peer(
     budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     repeats: Annotated[
-        int, typer.Option(help="Alternating passes per side (kvpress, ours, kvpress, …); times are medians.")
+        int, typer.Option(help="Runs per (sample, method, budget) and side; times are medians.")
     ] = 1,
     peer_python: Annotated[
         Path, typer.Option(help="Python of the kvpress environment (`make peer`).")
@@ -399,13 +399,20 @@ def bench_peer(
     question_aware: Annotated[
         bool, typer.Option(help="Compress context and question together (default: the context only).")
     ] = False,
+    interleave: Annotated[
+        bool,
+        typer.Option(
+            help="Alternate the sides run by run with one kvpress process kept up (default); "
+            "--no-interleave alternates whole passes."
+        ),
+    ] = True,
 ) -> None:
     """The same samples through kvpress presses and our methods with matching settings."""
     from kvbudget.bench.peer import PeerConfig, run_peer
 
     config = PeerConfig(
         model=model, limit=limit, dtype=dtype, peer_python=str(peer_python), question_aware=question_aware,
-        repeats=repeats,
+        repeats=repeats, interleave=interleave,
     )
     config.tasks = _split(tasks) or config.tasks
     config.lengths = _ints(lengths, "lengths") or config.lengths

@@ -357,11 +357,14 @@ def decode_loop(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    trace: bool = True,
 ) -> Decoded:
     """Generate from ``logits: [b, vocab]`` (the prompt's last position) until EOS or the limit.
 
     The first token is chosen from ``logits``; the session (if any) is put in decode phase, so
     decode-stage methods trim after every step. ``Decoded.seconds`` excludes the first token.
+    ``trace=False`` skips counting the cache's entries after every step (``Decoded.trace`` stays
+    empty per row): the benchmarks time the decode loop without that bookkeeping.
     """
     generator = generator or torch.Generator().manual_seed(0)
     if cache.session is not None:
@@ -369,7 +372,7 @@ def decode_loop(
     token = _next_token(logits, temperature, top_p, generator)
     generated = [[int(t)] for t in token]
     finished = torch.tensor([int(t) in eos for t in token])
-    trace: list[list[int]] = [[] for _ in generated]
+    traces: list[list[int]] = [[] for _ in generated]
     steps, start = 0, time.perf_counter()
     for _ in range(max_new_tokens - 1):
         if bool(finished.all()):
@@ -379,13 +382,14 @@ def decode_loop(
         logits = forward_last_logits(model, token[:, None], mask, last_pos[:, None], cache)
         token = _next_token(logits, temperature, top_p, generator)
         steps += 1
-        entries = _row_entries(cache)
+        entries = _row_entries(cache) if trace else None
         for r, t in enumerate(token.tolist()):
             if not finished[r]:
-                trace[r].append(entries[r])
+                if entries is not None:
+                    traces[r].append(entries[r])
                 generated[r].append(t)
                 finished[r] = t in eos
-    return Decoded(generated, steps, time.perf_counter() - start, trace)
+    return Decoded(generated, steps, time.perf_counter() - start, traces)
 
 
 def _row_entries(cache: BudgetCache) -> list[int]:

@@ -16,12 +16,18 @@ logits (context prefill with compression, plus the question's forward when quest
 sum; ``context_s`` is the compressed context prefill alone. Counting the cache's entries is not
 timed.
 
+``--serve`` keeps the process: after loading the model (and the warm-up) it prints ``READY``, then
+answers one request per stdin line, ``{"sample": i, "job": j}`` (indices into the samples and
+jobs files), with one line ``ROW <json>`` on stdout, until stdin closes — so kvbudget's side can
+alternate with it run by run (``bench peer``'s interleaved mode) without reloading the model.
+
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
 against the full cache's, or from AdaKV's masked indices) — the oracle test compares them with
 kvbudget's selection.
 
-Usage: python -P kvpress_runner.py --model DIR --samples S.jsonl --jobs J.json --out O.jsonl [--indices]
+Usage: python -P kvpress_runner.py --model DIR --samples S.jsonl --jobs J.json
+       (--out O.jsonl [--indices] | --serve) [--warmup]
 """
 
 from __future__ import annotations
@@ -150,16 +156,31 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
     return {"sample": sample["id"], "method": job["method"], "budget": job["budget"], "indices": layers}
 
 
+def serve(model, samples: list[dict], jobs: list[dict]) -> int:
+    """Answer ``{"sample": i, "job": j}`` lines from stdin with ``ROW <json>`` lines on stdout."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        row = run_one(model, samples[request["sample"]], jobs[request["job"]])
+        print("ROW " + json.dumps(row), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--samples", required=True)
     parser.add_argument("--jobs", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--serve", action="store_true", help="answer requests from stdin (see the docstring)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--indices", action="store_true")
     parser.add_argument("--warmup", action="store_true", help="run the first job once untimed first")
     args = parser.parse_args(argv)
+    if not args.serve and not args.out:
+        parser.error("--out is required unless --serve")
 
     import kvpress  # noqa: F401  (fails early when the peer environment is broken)
     from transformers import AutoModelForCausalLM
@@ -173,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = json.load(fh)
     if args.warmup and samples and jobs and not args.indices:
         run_one(model, {**samples[0], "max_new_tokens": 2}, jobs[0])
+    if args.serve:
+        return serve(model, samples, jobs)
     with open(args.out, "w") as out:
         for sample in samples:
             for job in jobs:

@@ -93,7 +93,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     warm = type(prompt)(prompt.ids[: min(len(prompt.ids), 2 * budget + 64)], [])
     session = CompressionSession(MethodSpec.parse(spec.method).build(), layers, budget=budget)
     cache, logits, mask, last = prefill(model, [warm], session, pad_id)
-    decode_loop(model, cache, logits, mask, last, set(), 3)
+    decode_loop(model, cache, logits, mask, last, set(), 3, trace=False)
     del cache, logits, session
     gc.collect()
 
@@ -104,7 +104,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     cache, logits, mask, last = prefill(model, [prompt], session, pad_id)
     prefill_wall = time.perf_counter() - start
     after_prefill = cache.stats()
-    decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens)
+    decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
     total_wall = time.perf_counter() - start
     first_token = total_wall - prefill_wall - decoded.seconds
     after_decode = cache.stats()

@@ -11,8 +11,12 @@ environment (``make peer`` → ``.venv-peer``) through the standalone
 :mod:`kvbudget.bench.kvpress_runner` script; ours runs in this process, after it, never at the
 same time. Both sides warm up on one untimed run first.
 
-``repeats`` alternates the sides (kvpress pass, ours pass, kvpress pass, …; each kvpress pass is
-one runner process with its own warm-up) and keeps every repetition's rows; the summary takes,
+``interleave`` (the default) alternates the sides run by run: one kvpress runner process stays up
+(``kvpress_runner.py --serve``, warmed up once) and each (sample, method, budget) runs on both
+sides back to back, the side that goes first alternating — the machine's speed drifts by ±10%
+over minutes, which whole passes per side turn into a bias. Without it, ``repeats`` alternates
+whole passes (kvpress pass, ours pass, kvpress pass, …; each kvpress pass one runner process with
+its own warm-up). Every repetition's rows are kept; the summary takes,
 per (sample, method, budget), the median time over repeats, and checks that each side decoded the
 same token ids in every repeat (greedy decoding should be deterministic). Time is split the same
 way on both sides: ``prefill_s`` from the start to the prompt's last logits (compression
@@ -93,6 +97,7 @@ class PeerConfig:
     peer_python: str = ".venv-peer/bin/python"
     question_aware: bool = False
     repeats: int = 1
+    interleave: bool = True
 
     def validate(self) -> None:
         unknown = [m for m in self.methods if m not in PEERS]
@@ -164,7 +169,7 @@ def run_ours(
         cache.session = None  # kvpress presses evict only in the prefill
         eos = set(sample["eos_ids"])
         resumed = time.perf_counter()
-        decoded = decode_loop(model, cache, logits, mask, last, eos, sample["max_new_tokens"])
+        decoded = decode_loop(model, cache, logits, mask, last, eos, sample["max_new_tokens"], trace=False)
         decode_s = time.perf_counter() - resumed
         final = cache.stats()
     # question-agnostic: count the compressed context only (kvpress counts before the question is fed)
@@ -181,13 +186,64 @@ def run_ours(
     }  # fmt: skip
 
 
+def _peer_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the peer environment must not see this checkout's kvbudget
+    return env
+
+
+#: seconds between two timed runs of the interleaved mode: the side that just finished has its
+#: OpenMP threads spin-waiting for a moment, which would slow the other side's start
+SETTLE_S = 0.3
+
+
+class KvpressServer:
+    """A kvpress runner process (``kvpress_runner.py --serve``) that runs one (sample, job) per
+    request, so our side can alternate with it run by run. Its stderr goes to ``log``."""
+
+    def __init__(
+        self, python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], log: Path, dtype: str
+    ) -> None:
+        jobs_path = log.with_name("jobs.json")
+        jobs_path.write_text(json.dumps(jobs, indent=1))
+        self.log = log
+        self._stderr = log.open("w")
+        self.proc = subprocess.Popen(
+            [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
+             "--jobs", str(jobs_path), "--dtype", dtype, "--warmup", "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=_peer_env(),
+        )  # fmt: skip
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        """The next stdout line starting with ``prefix`` (other output is skipped)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        self.close()
+        tail = "\n".join(self.log.read_text().strip().splitlines()[-8:])
+        raise KVBudgetError(f"the kvpress runner stopped (exit {self.proc.returncode}):\n{tail}")
+
+    def run(self, sample: int, job: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"sample": sample, "job": job}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("ROW "))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self._stderr.close()
+
+
 def run_kvpress(
     python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], out: Path, dtype: str
 ) -> list[dict[str, Any]]:
     jobs_path = out.with_name("jobs.json")
     jobs_path.write_text(json.dumps(jobs, indent=1))
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # the peer environment must not see this checkout's kvbudget
+    env = _peer_env()
     proc = subprocess.run(
         [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
          "--jobs", str(jobs_path), "--out", str(out), "--dtype", dtype, "--warmup"],
@@ -296,8 +352,10 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
         f"Model `{config.model}` ({config.dtype}); tasks {', '.join(config.tasks)}; lengths "
         f"{', '.join(map(str, config.lengths))}; {config.limit} samples each; "
         f"{'question-aware' if config.question_aware else 'question-agnostic'}, compression "
-        f"in the prefill only, greedy; {config.repeats} repeat(s), sides alternating "
-        f"(kvpress first). {versions}.",
+        f"in the prefill only, greedy; {config.repeats} repeat(s), "
+        + ("interleaved run by run (the side that goes first alternates)" if config.interleave
+           else "sides alternating in whole passes (kvpress first)")
+        + f". {versions}.",
         "",
         "Seconds are sums over the n samples of each sample's median over the repeats; ratio = "
         "ours / kvpress. Prefill: start to the prompt's last logits (compression included; the "
@@ -335,10 +393,47 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
     return "\n".join(lines) + "\n"
 
 
+def _save_rows(out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    for name, side in (("kvpress.jsonl", theirs), ("ours.jsonl", ours)):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in side))
+
+
+def _run_interleaved(
+    config: PeerConfig, model, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
+    out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], say: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Every (repeat, sample, job) on both sides back to back, the first side alternating; rows are
+    saved after every sample."""
+    from kvbudget.models import _resolve_source
+
+    server = KvpressServer(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
+                           out / "kvpress.log", config.dtype)  # fmt: skip
+    try:
+        warmup = {**samples[0], "max_new_tokens": 2}
+        run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], config.question_aware)
+        for rep in range(config.repeats):
+            tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
+            say(f"kvpress ↔ kvbudget, interleaved: {len(samples)} samples × {len(jobs)} methods{tag}")
+            for i, sample in enumerate(samples):
+                for j, job in enumerate(jobs):
+                    kvpress_first = (rep + i + j) % 2 == 0
+                    for side in ("kvpress", "ours") if kvpress_first else ("ours", "kvpress"):
+                        time.sleep(SETTLE_S)
+                        if side == "kvpress":
+                            theirs.append({**server.run(i, j), "repeat": rep, "first": kvpress_first})
+                        else:
+                            row = run_ours(model, sample, job["method"], job["budget"], config.question_aware)
+                            ours.append({**row, "repeat": rep, "first": not kvpress_first})
+                _save_rows(out, ours, theirs)
+    finally:
+        server.close()
+
+
 def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | None = None) -> Path:
-    """Export samples; ``config.repeats`` times run kvpress (its environment) then ours; write every
-    run to ``kvpress.jsonl`` / ``ours.jsonl`` (field ``repeat``) and the summary to ``peer.json`` and
-    ``peer.md``."""
+    """Export samples; run every (sample, method, budget) through kvpress (its environment) and
+    ours, ``config.repeats`` times, interleaved run by run or in alternating passes
+    (``config.interleave``); write every run to ``kvpress.jsonl`` / ``ours.jsonl`` (field
+    ``repeat``) and the summary to ``peer.json`` and ``peer.md``."""
     from kvbudget.engine import eos_ids
     from kvbudget.models import _resolve_source, load_model
 
@@ -356,7 +451,9 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     aware = config.question_aware
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
-    for rep in range(config.repeats):
+    if config.interleave:
+        _run_interleaved(config, model, python, samples, jobs, out, ours, theirs, say)
+    for rep in range(0 if config.interleave else config.repeats):
         tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
         say(f"kvpress: {len(samples)} samples × {len(jobs)} presses{tag}")
         rows = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
@@ -369,8 +466,7 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
         for sample in samples:
             for job in jobs:
                 ours.append({**run_ours(model, sample, job["method"], job["budget"], aware), "repeat": rep})
-        for name, side in (("kvpress.jsonl", theirs), ("ours.jsonl", ours)):
-            (out / name).write_text("".join(json.dumps(r) + "\n" for r in side))
+        _save_rows(out, ours, theirs)
     rows = summarise(samples, ours, theirs, tokenizer)
     versions = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print('kvpress', m.version('kvpress'), "

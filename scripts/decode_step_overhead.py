@@ -9,7 +9,9 @@ script prefills the same needle prompt, then times ``--steps`` single-token forw
 model (``logits_to_keep=1``, greedy) in each configuration, alternating configurations over
 ``--rounds`` rounds; it prints the median milliseconds per step of each. The DynamicCache for
 the compressed case holds the first ``budget`` prompt tokens per head (the same shape kvpress's
-SnapKVPress leaves; which entries are kept does not change the time).
+SnapKVPress leaves; which entries are kept does not change the time). A last configuration
+decodes identical content both ways: our SnapKV cache, copied into a ``DynamicCache`` and decoded
+with sdpa (kvbudget's attention detached), against the same cache decoded by kvbudget.
 """
 
 from __future__ import annotations
@@ -23,22 +25,17 @@ from transformers import DynamicCache
 
 from kvbudget.attention import attached
 from kvbudget.bench.measure import fit_prompt
-from kvbudget.engine import forward_last_logits, prefill
+from kvbudget.engine import decode_loop, prefill
 from kvbudget.eval.runner import MethodSpec
 from kvbudget.models import load_model
 from kvbudget.session import CompressionSession
 
 
-@torch.inference_mode()
-def dynamic_steps(model, ids: torch.Tensor, steps: int) -> float:
-    """Prefill ``ids: [1, n]`` into a DynamicCache (sdpa), then time ``steps`` decode forwards."""
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    n = ids.shape[1]
+def _timed_steps(model, cache: DynamicCache, token: torch.Tensor, position: int, steps: int) -> float:
+    """Seconds per greedy decode forward (sdpa) from ``token: [1, 1]`` at ``position``."""
     start = time.perf_counter()
     for i in range(steps):
-        pos = torch.tensor([[n + i]])
+        pos = torch.tensor([[position + i]])
         out = model(
             input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
         )
@@ -47,21 +44,28 @@ def dynamic_steps(model, ids: torch.Tensor, steps: int) -> float:
 
 
 @torch.inference_mode()
-def budget_steps(model, prompt, method: str, budget: int, steps: int) -> float:
-    """Prefill with ``method`` (kvbudget attention), then time ``steps`` decode forwards."""
+def dynamic_steps(model, ids: torch.Tensor, steps: int) -> float:
+    """Prefill ``ids: [1, n]`` into a DynamicCache (sdpa), then time ``steps`` decode forwards."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return _timed_steps(model, cache, out.logits[:, -1].argmax(-1, keepdim=True), ids.shape[1], steps)
+
+
+@torch.inference_mode()
+def budget_steps(model, prompt, method: str, budget: int, steps: int, as_dynamic: bool = False) -> float:
+    """Prefill with ``method`` (kvbudget attention), then time ``steps`` decode forwards — of the
+    engine's decode loop, or (``as_dynamic``) of the same entries copied into a DynamicCache."""
     spec = MethodSpec.parse(method)
     session = CompressionSession(spec.build(), model.config.num_hidden_layers, budget=budget)
     with attached(model):
         cache, logits, mask, last = prefill(model, [prompt], session, 0)
-        if cache.session is not None:
-            cache.session.phase = "decode"
-        token = logits.argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        for _ in range(steps):
-            mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
-            last = last + 1
-            token = forward_last_logits(model, token, mask, last[:, None], cache).argmax(-1, keepdim=True)
-        return (time.perf_counter() - start) / steps
+        if not as_dynamic:
+            decoded = decode_loop(model, cache, logits, mask, last, set(), steps + 1, trace=False)
+            return decoded.seconds / decoded.steps
+    copy = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):  # rectangular layers (SnapKV)
+        copy.update(layer.keys.contiguous(), layer.values.contiguous(), i)
+    return _timed_steps(model, copy, logits.argmax(-1, keepdim=True), int(last) + 1, steps)
 
 
 def main() -> None:
@@ -85,6 +89,9 @@ def main() -> None:
         f"kvbudget snapkv {args.budget}": lambda: budget_steps(model, prompt, snap, args.budget, args.steps),
         f"kvbudget ada-snapkv {args.budget}": lambda: budget_steps(
             model, prompt, snap.replace("snapkv", "ada-snapkv", 1), args.budget, args.steps
+        ),
+        f"snapkv {args.budget} as DynamicCache": lambda: budget_steps(
+            model, prompt, snap, args.budget, args.steps, as_dynamic=True
         ),
     }
     for run in configs.values():  # warm-up

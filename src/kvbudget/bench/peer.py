@@ -192,8 +192,17 @@ def _peer_env() -> dict[str, str]:
     return env
 
 
-#: seconds between two timed runs of the interleaved mode: the side that just finished has its
-#: OpenMP threads spin-waiting for a moment, which would slow the other side's start
+def _runner_command(
+    python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], jobs_path: Path, dtype: str
+) -> list[str]:
+    """Write ``jobs`` to ``jobs_path``; the runner's command line (warm-up on), without its mode."""
+    jobs_path.write_text(json.dumps(jobs, indent=1))
+    return [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
+            "--jobs", str(jobs_path), "--dtype", dtype, "--warmup"]  # fmt: skip
+
+
+#: seconds between two timed runs of the interleaved mode, a precaution: the side that just
+#: finished may still have OpenMP threads spin-waiting on the 2 cores as the other side starts
 SETTLE_S = 0.3
 
 
@@ -204,14 +213,12 @@ class KvpressServer:
     def __init__(
         self, python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], log: Path, dtype: str
     ) -> None:
-        jobs_path = log.with_name("jobs.json")
-        jobs_path.write_text(json.dumps(jobs, indent=1))
+        command = _runner_command(python, model_dir, samples, jobs, log.with_name("jobs.json"), dtype)
         self.log = log
         self._stderr = log.open("w")
         self.proc = subprocess.Popen(
-            [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
-             "--jobs", str(jobs_path), "--dtype", dtype, "--warmup", "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=_peer_env(),
+            [*command, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            text=True, env=_peer_env(),
         )  # fmt: skip
         self._expect("READY")
 
@@ -241,14 +248,8 @@ class KvpressServer:
 def run_kvpress(
     python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], out: Path, dtype: str
 ) -> list[dict[str, Any]]:
-    jobs_path = out.with_name("jobs.json")
-    jobs_path.write_text(json.dumps(jobs, indent=1))
-    env = _peer_env()
-    proc = subprocess.run(
-        [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
-         "--jobs", str(jobs_path), "--out", str(out), "--dtype", dtype, "--warmup"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
+    command = _runner_command(python, model_dir, samples, jobs, out.with_name("jobs.json"), dtype)
+    proc = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, env=_peer_env())
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
         raise KVBudgetError(f"the kvpress runner failed (exit {proc.returncode}):\n{tail}")
@@ -398,6 +399,38 @@ def _save_rows(out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in side))
 
 
+def _warm_up_ours(
+    config: PeerConfig, model, samples: list[dict[str, Any]], jobs: list[dict[str, Any]]
+) -> None:
+    """One untimed short run of the first job (kvpress's runner warms up the same way)."""
+    warmup = {**samples[0], "max_new_tokens": 2}
+    run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], config.question_aware)
+
+
+def _run_passes(
+    config: PeerConfig, model, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
+    out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], say: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Whole passes per side, alternating (kvpress pass, ours pass, …; each kvpress pass one runner
+    process); rows are saved after every pass."""
+    from kvbudget.models import _resolve_source
+
+    for rep in range(config.repeats):
+        tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
+        say(f"kvpress: {len(samples)} samples × {len(jobs)} presses{tag}")
+        rows = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
+                           out / f"kvpress.{rep}.jsonl", config.dtype)  # fmt: skip
+        theirs += [{**r, "repeat": rep} for r in rows]
+        say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods{tag}")
+        if rep == 0:  # later passes run on the warm process
+            _warm_up_ours(config, model, samples, jobs)
+        for sample in samples:
+            for job in jobs:
+                row = run_ours(model, sample, job["method"], job["budget"], config.question_aware)
+                ours.append({**row, "repeat": rep})
+        _save_rows(out, ours, theirs)
+
+
 def _run_interleaved(
     config: PeerConfig, model, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
     out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], say: Callable[[str], None],
@@ -409,8 +442,7 @@ def _run_interleaved(
     server = KvpressServer(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
                            out / "kvpress.log", config.dtype)  # fmt: skip
     try:
-        warmup = {**samples[0], "max_new_tokens": 2}
-        run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], config.question_aware)
+        _warm_up_ours(config, model, samples, jobs)
         for rep in range(config.repeats):
             tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
             say(f"kvpress ↔ kvbudget, interleaved: {len(samples)} samples × {len(jobs)} methods{tag}")
@@ -435,7 +467,7 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     (``config.interleave``); write every run to ``kvpress.jsonl`` / ``ours.jsonl`` (field
     ``repeat``) and the summary to ``peer.json`` and ``peer.md``."""
     from kvbudget.engine import eos_ids
-    from kvbudget.models import _resolve_source, load_model
+    from kvbudget.models import load_model
 
     config.validate()
     python = peer_python_path(config.peer_python)
@@ -448,25 +480,10 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     eos = eos_ids(model, tokenizer)
     samples = export_samples(config, tokenizer, eos, out / "samples.jsonl")
     jobs = make_jobs(config)
-    aware = config.question_aware
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
-    if config.interleave:
-        _run_interleaved(config, model, python, samples, jobs, out, ours, theirs, say)
-    for rep in range(0 if config.interleave else config.repeats):
-        tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
-        say(f"kvpress: {len(samples)} samples × {len(jobs)} presses{tag}")
-        rows = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
-                           out / f"kvpress.{rep}.jsonl", config.dtype)  # fmt: skip
-        theirs += [{**r, "repeat": rep} for r in rows]
-        say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods{tag}")
-        if rep == 0:  # later passes run on the warm process
-            warmup = {**samples[0], "max_new_tokens": 2}
-            run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], aware)
-        for sample in samples:
-            for job in jobs:
-                ours.append({**run_ours(model, sample, job["method"], job["budget"], aware), "repeat": rep})
-        _save_rows(out, ours, theirs)
+    run_sides = _run_interleaved if config.interleave else _run_passes
+    run_sides(config, model, python, samples, jobs, out, ours, theirs, say)
     rows = summarise(samples, ours, theirs, tokenizer)
     versions = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print('kvpress', m.version('kvpress'), "

@@ -175,14 +175,49 @@ def test_peer_summary_scores_both_sides_with_our_metric() -> None:
     assert row["repeats"] == 1 and row["ours_deterministic"] and row["kvpress_deterministic"]
 
 
+def test_our_runner_serves_the_rows_run_ours_makes(tmp_path: Path) -> None:
+    """`bench peer`'s own side runs in a serving process (like kvpress's runner): its rows decode
+    what `run_ours` decodes in this process and count the run's page faults."""
+    from kvbudget.bench.peer import ours_server
+
+    model_dir = tmp_path / "model"
+    model = tiny_model("llama", seed=3)
+    model.save_pretrained(model_dir)
+    tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
+    sample = {"id": "x", "context_ids": list(range(3, 90)) * 2, "question_ids": [5, 6, 7, 8],
+              "eos_ids": [], "max_new_tokens": 5}  # fmt: skip
+    (tmp_path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    jobs = make_jobs(PeerConfig(methods=["snapkv", "full"], budgets=[40]))
+    server = ours_server(str(model_dir), tmp_path / "samples.jsonl", jobs, tmp_path / "ours.log", "float32")
+    try:
+        served = [server.run(0, j) for j in range(len(jobs))]
+    finally:
+        server.close()
+    assert server.proc.returncode == 0
+    for job, row in zip(jobs, served, strict=True):
+        here = run_ours(model, sample, job["method"], job["budget"])
+        assert row["token_ids"] == here["token_ids"] and row["kept_entries"] == here["kept_entries"]
+        assert isinstance(row["minor_faults"], int) and row["minor_faults"] >= 0
+        assert row["wall_s"] == pytest.approx(row["prefill_s"] + row["decode_s"])
+
+
+def test_our_runner_that_cannot_start_raises_a_clear_error(tmp_path: Path) -> None:
+    from kvbudget.bench.peer import ours_server
+
+    (tmp_path / "samples.jsonl").write_text("")
+    with pytest.raises(KVBudgetError, match="the kvbudget runner stopped") as failure:
+        ours_server(str(tmp_path / "none"), tmp_path / "samples.jsonl", [], tmp_path / "ours.log", "float32")
+    assert "none" in str(failure.value)  # the runner's own error names the missing model
+
+
 def _timed_rows(side: str, rng: np.random.Generator, repeats: int) -> list[dict]:
     """Rows for 2 samples × (snapkv@64, full) × ``repeats`` with random times."""
     return [
         {"sample": f"s{i}", "method": method, "budget": budget, "repeat": rep, "token_ids": [5, 6, 1],
          "prefill_s": float(p), "decode_s": float(d), "wall_s": float(p + d), "kept_entries": 10,
-         "allocated_entries": 10, "side": side}
+         "allocated_entries": 10, "side": side, "minor_faults": int(f)}
         for rep in range(repeats) for i in range(2) for method, budget in (("snapkv", 64), ("full", None))
-        for p, d in [rng.uniform(0.5, 3.0, 2)]
+        for p, d, f in [(*rng.uniform(0.5, 3.0, 2), rng.integers(0, 90_000))]
     ]  # fmt: skip
 
 
@@ -195,7 +230,7 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
     for (sample, method, budget), row in merged.items():
         runs = [r for r in ours if (r["sample"], r["method"], r["budget"]) == (sample, method, budget)]
         assert len(runs) == row["repeats"] == 3
-        for t in ("wall_s", "prefill_s", "decode_s"):
+        for t in ("wall_s", "prefill_s", "decode_s", "minor_faults"):
             assert row[t] == pytest.approx(np.median([r[t] for r in runs]))
         assert row["deterministic"]
     assert not over_repeats(theirs)[("s1", "full", None)]["deterministic"]
@@ -215,6 +250,12 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
             assert row[f"ours_{phase}_s"] == pytest.approx(mine)
             assert row[f"kvpress_{phase}_s"] == pytest.approx(peer)
             assert row[f"{phase}_ratio"] == pytest.approx(mine / peer)
+        for name, side in (("ours", ours), ("kvpress", theirs)):
+            faults = sum(
+                np.median([r["minor_faults"] for r in side if r["sample"] == s and r["method"] == method])
+                for s in ("s0", "s1")
+            )
+            assert row[f"{name}_minor_faults"] == pytest.approx(faults)
 
     text = peer_markdown(PeerConfig(repeats=3), list(rows.values()), "versions")
     header = next(line for line in text.splitlines() if line.startswith("| task"))
@@ -228,6 +269,8 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
     assert len(cells) == len([c for c in header.strip("|").split("|")])
     r = rows["full"]
     assert cells[11] == f"{r['ours_prefill_s']:.1f} / {r['kvpress_prefill_s']:.1f} ({r['prefill_ratio']:.2f})"
+    assert header.strip("|").split("|")[-1].strip() == "page faults ours / kvpress (k)"
+    assert cells[-1] == f"{r['ours_minor_faults'] / 1000:.0f} / {r['kvpress_minor_faults'] / 1000:.0f}"
     assert "not deterministic across repeats** for: full@None (needle 300, kvpress)" in text
     # the reference comes first in its length block
     assert text.index("no press") < text.index(PEERS["snapkv"][1]["press"])

@@ -113,9 +113,11 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
     model.save_pretrained(model_dir)
     tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
     calls: list[str] = []
-    real_kvpress, real_ours = peer.run_kvpress, peer.run_ours
+    real_kvpress, real_run = peer.run_kvpress, peer.RunnerServer.run
     monkeypatch.setattr(peer, "run_kvpress", lambda *a: calls.append("kvpress") or real_kvpress(*a))
-    monkeypatch.setattr(peer, "run_ours", lambda *a: calls.append("ours") or real_ours(*a))
+    monkeypatch.setattr(
+        peer.RunnerServer, "run", lambda self, *a: calls.append(self.name) or real_run(self, *a)
+    )
     config = peer.PeerConfig(
         model=str(model_dir), tasks=["needle_filler"], lengths=[300], limit=1, methods=["full", "snapkv"],
         budgets=[96], peer_python=str(PEER), repeats=2, interleave=False,
@@ -123,8 +125,8 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
     out = tmp_path / "out"
     result = json.loads(peer.run_peer(config, out).read_text())
     passes = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
-    assert passes == ["kvpress", "ours", "kvpress", "ours"]
-    assert calls.count("ours") == 1 + 2 * 2  # warm-up, then 2 repeats × 2 jobs
+    assert passes == ["kvpress", "kvbudget", "kvpress", "kvbudget"]
+    assert calls.count("kvbudget") == 2 * 2  # 2 repeats × 2 jobs (the runner warms up inside)
 
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     sides = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
@@ -137,6 +139,7 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
         for r in rows:
             assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]), name
             assert r["prefill_s"] > 0 and r["decode_s"] > 0
+            assert isinstance(r["minor_faults"], int) and r["minor_faults"] >= 0, name
             context = len(next(s for s in samples if s["id"] == r["sample"])["context_ids"])
             expected = layers * heads * (context if r["method"] == "full" else 96)
             assert r["kept_entries"] == expected, (name, r["method"])
@@ -166,19 +169,14 @@ def test_bench_peer_interleaves_the_sides_run_by_run(tmp_path: Path, monkeypatch
     tiny_model("llama", seed=3).save_pretrained(model_dir)
     tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
     calls: list[tuple[str, str]] = []
-    real_run, real_ours = peer.KvpressServer.run, peer.run_ours
+    real_run = peer.RunnerServer.run
     jobs: list[dict] = []
 
-    def their_run(self, sample: int, job: int) -> dict:
-        calls.append(("kvpress", jobs[job]["method"]))
+    def recorded_run(self, sample: int, job: int) -> dict:
+        calls.append((self.name, jobs[job]["method"]))
         return real_run(self, sample, job)
 
-    def our_run(model, sample, method, budget, aware):
-        calls.append(("ours", method))
-        return real_ours(model, sample, method, budget, aware)
-
-    monkeypatch.setattr(peer.KvpressServer, "run", their_run)
-    monkeypatch.setattr(peer, "run_ours", our_run)
+    monkeypatch.setattr(peer.RunnerServer, "run", recorded_run)
     monkeypatch.setattr(peer, "SETTLE_S", 0.0)
     monkeypatch.setattr(peer, "run_kvpress", lambda *a: pytest.fail("no kvpress pass when interleaving"))
     config = peer.PeerConfig(
@@ -188,30 +186,30 @@ def test_bench_peer_interleaves_the_sides_run_by_run(tmp_path: Path, monkeypatch
     jobs += peer.make_jobs(config)
     out = tmp_path / "out"
     result = json.loads(peer.run_peer(config, out).read_text())
-    assert calls[0] == ("ours", "snapkv")  # our warm-up (kvpress's is inside its process)
-    runs = calls[1:]
-    assert len(runs) == 2 * 2 * 2 * 2  # repeats × samples × jobs × sides
-    pairs = [runs[k : k + 2] for k in range(0, len(runs), 2)]
+    assert len(calls) == 2 * 2 * 2 * 2  # repeats × samples × jobs × sides (warm-ups are inside the runners)
+    pairs = [calls[k : k + 2] for k in range(0, len(calls), 2)]
     for n, (first, second) in enumerate(pairs):
-        assert first[1] == second[1] and {first[0], second[0]} == {"kvpress", "ours"}
+        assert first[1] == second[1] and {first[0], second[0]} == {"kvpress", "kvbudget"}
         rep, sample, job = n // 4, n // 2 % 2, n % 2
-        assert first[0] == ("kvpress" if (rep + sample + job) % 2 == 0 else "ours")
+        assert first[0] == ("kvpress" if (rep + sample + job) % 2 == 0 else "kvbudget")
     sides = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
              for name in ("ours", "kvpress")}  # fmt: skip
     for name, rows in sides.items():
         assert len(rows) == 8 and {r["repeat"] for r in rows} == {0, 1}
         assert sum(r["first"] for r in rows) == 4, name
+        assert all(isinstance(r["minor_faults"], int) for r in rows), name
     by_method = {r["method"]: r for r in result["rows"]}
     for row in by_method.values():
         assert row["repeats"] == 2 and row["samples"] == 2 and row["same_answer"] == 1.0
     assert "interleaved run by run" in (out / "peer.md").read_text()
+    assert (out / "ours.log").exists() and (out / "kvpress.log").exists()
 
 
 def test_kvpress_server_that_cannot_start_raises_a_clear_error(tmp_path: Path) -> None:
-    from kvbudget.bench.peer import KvpressServer
+    from kvbudget.bench.peer import kvpress_server
     from kvbudget.errors import KVBudgetError
 
     (tmp_path / "samples.jsonl").write_text("")
     with pytest.raises(KVBudgetError, match="the kvpress runner stopped"):
-        KvpressServer(PEER, tmp_path / "none", tmp_path / "samples.jsonl", [], tmp_path / "k.log", "float32")
+        kvpress_server(PEER, tmp_path / "none", tmp_path / "samples.jsonl", [], tmp_path / "k.log", "float32")
     assert (tmp_path / "k.log").read_text()  # the runner's traceback is kept

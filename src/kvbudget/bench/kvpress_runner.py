@@ -20,6 +20,8 @@ timed.
 answers one request per stdin line, ``{"sample": i, "job": j}`` (indices into the samples and
 jobs files), with one line ``ROW <json>`` on stdout, until stdin closes — so kvbudget's side can
 alternate with it run by run (``bench peer``'s interleaved mode) without reloading the model.
+kvbudget's own runner (:mod:`kvbudget.bench.ours_runner`) serves through the same :func:`serve`.
+Every timed row also carries ``minor_faults``, the page faults the process took during the run.
 
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
@@ -37,6 +39,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -156,14 +159,35 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
     return {"sample": sample["id"], "method": job["method"], "budget": job["budget"], "indices": layers}
 
 
-def serve(model, samples: list[dict], jobs: list[dict]) -> int:
-    """Answer ``{"sample": i, "job": j}`` lines from stdin with ``ROW <json>`` lines on stdout."""
+def minor_faults() -> int | None:
+    """This process's minor page faults so far (None where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:  # not on Linux / macOS
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def counted(run: Callable[[dict, dict], dict], sample: dict, job: dict) -> dict:
+    """``run(sample, job)``'s row plus ``minor_faults``: page faults the process took during the run
+    (freshly mapped memory the kernel had to zero — the allocator's cost, which varies with the
+    process's history)."""
+    before = minor_faults()
+    row = run(sample, job)
+    after = minor_faults()
+    return {**row, "minor_faults": None if before is None or after is None else after - before}
+
+
+def serve(run: Callable[[dict, dict], dict], samples: list[dict], jobs: list[dict]) -> int:
+    """Answer ``{"sample": i, "job": j}`` lines from stdin with ``ROW <json>`` lines on stdout, each
+    ``run(samples[i], jobs[j])``'s row (with its page faults). Shared by kvbudget's own runner
+    (:mod:`kvbudget.bench.ours_runner`), so both sides of ``bench peer`` answer the same way."""
     print("READY", flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         request = json.loads(line)
-        row = run_one(model, samples[request["sample"]], jobs[request["job"]])
+        row = counted(run, samples[request["sample"]], jobs[request["job"]])
         print("ROW " + json.dumps(row), flush=True)
     return 0
 
@@ -192,14 +216,18 @@ def main(argv: list[str] | None = None) -> int:
         samples = [json.loads(line) for line in fh if line.strip()]
     with open(args.jobs) as fh:
         jobs = json.load(fh)
+
+    def run(sample: dict, job: dict) -> dict:
+        return run_one(model, sample, job)
+
     if args.warmup and samples and jobs and not args.indices:
-        run_one(model, {**samples[0], "max_new_tokens": 2}, jobs[0])
+        run({**samples[0], "max_new_tokens": 2}, jobs[0])
     if args.serve:
-        return serve(model, samples, jobs)
+        return serve(run, samples, jobs)
     with open(args.out, "w") as out:
         for sample in samples:
             for job in jobs:
-                row = kept_indices(model, sample, job) if args.indices else run_one(model, sample, job)
+                row = kept_indices(model, sample, job) if args.indices else counted(run, sample, job)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
     return 0

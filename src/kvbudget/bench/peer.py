@@ -8,15 +8,18 @@ compressed, the question appended uncompressed, then greedy decoding with the sa
 happens only in the prefill (our decode-stage methods are run with the session detached after
 the prefill, since kvpress presses do not evict while decoding). kvpress runs in its own
 environment (``make peer`` → ``.venv-peer``) through the standalone
-:mod:`kvbudget.bench.kvpress_runner` script; ours runs in this process, after it, never at the
-same time. Both sides warm up on one untimed run first.
+:mod:`kvbudget.bench.kvpress_runner` script; ours runs in a process of the same layout,
+:mod:`kvbudget.bench.ours_runner` (this Python and environment), never at the same time as
+kvpress's. Both sides warm up on one untimed run first; this process only exports the samples,
+sends requests and writes the reports, so neither side's timings carry this process's history
+(allocations, page-fault state) — each row records its run's ``minor_faults``.
 
-``interleave`` (the default) alternates the sides run by run: one kvpress runner process stays up
-(``kvpress_runner.py --serve``, warmed up once) and each (sample, method, budget) runs on both
+``interleave`` (the default) alternates the sides run by run: one runner process per side stays up
+(``--serve``, warmed up once) and each (sample, method, budget) runs on both
 sides back to back, the side that goes first alternating — the machine's speed drifts by ±10%
 over minutes, which whole passes per side turn into a bias. Without it, ``repeats`` alternates
 whole passes (kvpress pass, ours pass, kvpress pass, …; each kvpress pass one runner process with
-its own warm-up). Every repetition's rows are kept; the summary takes,
+its own warm-up, our passes one serving runner). Every repetition's rows are kept; the summary takes,
 per (sample, method, budget), the median time over repeats, and checks that each side decoded the
 same token ids in every repeat (greedy decoding should be deterministic). Time is split the same
 way on both sides: ``prefill_s`` from the start to the prompt's last logits (compression
@@ -36,6 +39,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -192,13 +196,21 @@ def _peer_env() -> dict[str, str]:
     return env
 
 
+def _runner_args(
+    model: str | Path, samples: Path, jobs: list[dict[str, Any]], jobs_path: Path, dtype: str
+) -> list[str]:
+    """Write ``jobs`` to ``jobs_path``; the arguments both runners take (warm-up on), without a mode."""
+    jobs_path.write_text(json.dumps(jobs, indent=1))
+    return ["--model", str(model), "--samples", str(samples), "--jobs", str(jobs_path), "--dtype", dtype,
+            "--warmup"]  # fmt: skip
+
+
 def _runner_command(
     python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], jobs_path: Path, dtype: str
 ) -> list[str]:
-    """Write ``jobs`` to ``jobs_path``; the runner's command line (warm-up on), without its mode."""
-    jobs_path.write_text(json.dumps(jobs, indent=1))
-    return [str(python), "-P", str(runner_script()), "--model", str(model_dir), "--samples", str(samples),
-            "--jobs", str(jobs_path), "--dtype", dtype, "--warmup"]  # fmt: skip
+    """The kvpress runner's command line (``python -P``: the checkout stays off its path)."""
+    args = _runner_args(model_dir, samples, jobs, jobs_path, dtype)
+    return [str(python), "-P", str(runner_script()), *args]
 
 
 #: seconds between two timed runs of the interleaved mode, a precaution: the side that just
@@ -206,20 +218,17 @@ def _runner_command(
 SETTLE_S = 0.3
 
 
-class KvpressServer:
-    """A kvpress runner process (``kvpress_runner.py --serve``) that runs one (sample, job) per
-    request, so our side can alternate with it run by run. Its stderr goes to ``log``."""
+class RunnerServer:
+    """A runner process serving one (sample, job) per request — kvpress's (``kvpress_runner.py
+    --serve``) or ours (:mod:`kvbudget.bench.ours_runner`) — so the sides can alternate run by run.
+    Its stderr goes to ``log``; ``name`` names it in errors."""
 
-    def __init__(
-        self, python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], log: Path, dtype: str
-    ) -> None:
-        command = _runner_command(python, model_dir, samples, jobs, log.with_name("jobs.json"), dtype)
-        self.log = log
+    def __init__(self, name: str, command: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name, self.log = name, log
         self._stderr = log.open("w")
         self.proc = subprocess.Popen(
-            [*command, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            text=True, env=_peer_env(),
-        )  # fmt: skip
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
+        )
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:
@@ -230,7 +239,7 @@ class KvpressServer:
                 return line[len(prefix) :].strip()
         self.close()
         tail = "\n".join(self.log.read_text().strip().splitlines()[-8:])
-        raise KVBudgetError(f"the kvpress runner stopped (exit {self.proc.returncode}):\n{tail}")
+        raise KVBudgetError(f"the {self.name} runner stopped (exit {self.proc.returncode}):\n{tail}")
 
     def run(self, sample: int, job: int) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -245,6 +254,21 @@ class KvpressServer:
         self._stderr.close()
 
 
+def kvpress_server(
+    python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], log: Path, dtype: str
+) -> RunnerServer:
+    """kvpress's runner, serving, in the peer environment (without this checkout on its path)."""
+    command = _runner_command(python, model_dir, samples, jobs, log.with_name("jobs.json"), dtype)
+    return RunnerServer("kvpress", [*command, "--serve"], log, _peer_env())
+
+
+def ours_server(model: str, samples: Path, jobs: list[dict[str, Any]], log: Path, dtype: str) -> RunnerServer:
+    """Our runner, serving, with this process's Python and environment."""
+    args = _runner_args(model, samples, jobs, log.with_name("jobs.json"), dtype)
+    command = [sys.executable, "-m", "kvbudget.bench.ours_runner", *args, "--serve"]
+    return RunnerServer("kvbudget", command, log, dict(os.environ))
+
+
 def run_kvpress(
     python: Path, model_dir: Path, samples: Path, jobs: list[dict[str, Any]], out: Path, dtype: str
 ) -> list[dict[str, Any]]:
@@ -257,9 +281,10 @@ def run_kvpress(
 
 
 def over_repeats(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None], dict[str, Any]]:
-    """Per (sample, method, budget): the first repeat's row with each of :data:`TIMES` replaced by
-    its median over the repeats, plus ``repeats`` (how many rows) and ``deterministic`` (every
-    repeat decoded the same token ids). Rows without a ``repeat`` field count as repeat 0."""
+    """Per (sample, method, budget): the first repeat's row with each of :data:`TIMES` (and
+    ``minor_faults``, None unless every row has it) replaced by its median over the repeats, plus
+    ``repeats`` (how many rows) and ``deterministic`` (every repeat decoded the same token ids).
+    Rows without a ``repeat`` field count as repeat 0."""
     groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["sample"], r["method"], r["budget"]), []).append(r)
@@ -267,9 +292,11 @@ def over_repeats(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None]
     for key, runs in groups.items():
         runs = sorted(runs, key=lambda r: r.get("repeat", 0))
         first = runs[0]
+        faults = [r.get("minor_faults") for r in runs]
         merged[key] = {
             **first, **{t: statistics.median(r[t] for r in runs) for t in TIMES}, "repeats": len(runs),
             "deterministic": all(r["token_ids"] == first["token_ids"] for r in runs),
+            "minor_faults": None if None in faults else statistics.median(faults),
         }  # fmt: skip
     return merged
 
@@ -328,6 +355,9 @@ def summarise(
             mine, peer = sum(a[t] for a, _ in pairs), sum(b[t] for _, b in pairs)
             row[f"ours_{t}"], row[f"kvpress_{t}"] = mine, peer
             row[f"{t.removesuffix('_s')}_ratio"] = mine / peer if peer > 0 else float("nan")
+        for side, runs in (("ours", [a for a, _ in pairs]), ("kvpress", [b for _, b in pairs])):
+            faults = [r["minor_faults"] for r in runs]
+            row[f"{side}_minor_faults"] = None if None in faults else sum(faults)
         for field_ in ("kept_entries", "allocated_entries"):
             row[f"ours_{field_}"] = statistics.median(a[field_] for a, _ in pairs)
             row[f"kvpress_{field_}"] = statistics.median(b[field_] for _, b in pairs)
@@ -343,6 +373,9 @@ def _row_order(r: dict[str, Any]) -> tuple:
 def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> str:
     def identical(r: dict[str, Any], side: str) -> str:
         return "—" if r["repeats"] < 2 else ("yes" if r[f"{side}_deterministic"] else "**NO**")
+
+    def thousands(faults: float | None) -> str:
+        return "—" if faults is None else f"{faults / 1000:.0f}"
 
     def seconds(r: dict[str, Any], phase: str) -> str:
         return f"{r[f'ours_{phase}_s']:.1f} / {r[f'kvpress_{phase}_s']:.1f} ({r[f'{phase}_ratio']:.2f})"
@@ -362,13 +395,15 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
         "ours / kvpress. Prefill: start to the prompt's last logits (compression included; the "
         "question's forward too when question-agnostic). Decode: from there to the last token. "
         "Wall = prefill + decode. `full` (no compression, no press) is the accuracy ceiling. "
-        "Same tokens over repeats: whether each side decoded identical ids in every repeat.",
+        "Same tokens over repeats: whether each side decoded identical ids in every repeat. Page "
+        "faults: minor faults of each side's runner process during its runs (same sums), memory the "
+        "kernel had to map and zero — an allocator cost that varies with a process's history.",
         "",
         "| task | length | ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer "
         "| same tokens over repeats ours / kvpress | wall s ours / kvpress (ratio) "
         "| prefill s ours / kvpress (ratio) | decode s ours / kvpress (ratio) | tokens ours / kvpress "
-        "| entries kept ours / kvpress | allocated ours / kvpress |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| entries kept ours / kvpress | allocated ours / kvpress | page faults ours / kvpress (k) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=_row_order):
         budget = "—" if r["budget"] is None else str(r["budget"])
@@ -381,7 +416,8 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
             f"{seconds(r, 'prefill')} | {seconds(r, 'decode')} | "
             f"{r['ours_tokens']} / {r['kvpress_tokens']} | "
             f"{r['ours_kept_entries']:.0f} / {r['kvpress_kept_entries']:.0f} | "
-            f"{r['ours_allocated_entries']:.0f} / {r['kvpress_allocated_entries']:.0f} |"
+            f"{r['ours_allocated_entries']:.0f} / {r['kvpress_allocated_entries']:.0f} | "
+            f"{thousands(r['ours_minor_faults'])} / {thousands(r['kvpress_minor_faults'])} |"
         )
     unstable = [
         f"{r['method']}@{r['budget']} ({r['task']} {r['length']}, "
@@ -399,66 +435,61 @@ def _save_rows(out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in side))
 
 
-def _warm_up_ours(
-    config: PeerConfig, model, samples: list[dict[str, Any]], jobs: list[dict[str, Any]]
-) -> None:
-    """One untimed short run of the first job (kvpress's runner warms up the same way)."""
-    warmup = {**samples[0], "max_new_tokens": 2}
-    run_ours(model, warmup, jobs[0]["method"], jobs[0]["budget"], config.question_aware)
-
-
 def _run_passes(
-    config: PeerConfig, model, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
+    config: PeerConfig, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
     out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], say: Callable[[str], None],
 ) -> None:  # fmt: skip
-    """Whole passes per side, alternating (kvpress pass, ours pass, …; each kvpress pass one runner
-    process); rows are saved after every pass."""
+    """Whole passes per side, alternating (kvpress pass, ours pass, …): each kvpress pass is one
+    runner process, our passes share one serving runner; rows are saved after every pass."""
     from kvbudget.models import _resolve_source
 
-    for rep in range(config.repeats):
-        tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
-        say(f"kvpress: {len(samples)} samples × {len(jobs)} presses{tag}")
-        rows = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
-                           out / f"kvpress.{rep}.jsonl", config.dtype)  # fmt: skip
-        theirs += [{**r, "repeat": rep} for r in rows]
-        say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods{tag}")
-        if rep == 0:  # later passes run on the warm process
-            _warm_up_ours(config, model, samples, jobs)
-        for sample in samples:
-            for job in jobs:
-                row = run_ours(model, sample, job["method"], job["budget"], config.question_aware)
-                ours.append({**row, "repeat": rep})
-        _save_rows(out, ours, theirs)
+    server = ours_server(config.model, out / "samples.jsonl", jobs, out / "ours.log", config.dtype)
+    try:
+        for rep in range(config.repeats):
+            tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
+            say(f"kvpress: {len(samples)} samples × {len(jobs)} presses{tag}")
+            rows = run_kvpress(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
+                               out / f"kvpress.{rep}.jsonl", config.dtype)  # fmt: skip
+            theirs += [{**r, "repeat": rep} for r in rows]
+            say(f"kvbudget: {len(samples)} samples × {len(jobs)} methods{tag}")
+            for i in range(len(samples)):
+                for j in range(len(jobs)):
+                    ours.append({**server.run(i, j), "repeat": rep})
+            _save_rows(out, ours, theirs)
+    finally:
+        server.close()
 
 
 def _run_interleaved(
-    config: PeerConfig, model, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
+    config: PeerConfig, python: Path, samples: list[dict[str, Any]], jobs: list[dict[str, Any]],
     out: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], say: Callable[[str], None],
 ) -> None:  # fmt: skip
     """Every (repeat, sample, job) on both sides back to back, the first side alternating; rows are
     saved after every sample."""
     from kvbudget.models import _resolve_source
 
-    server = KvpressServer(python, _resolve_source(config.model), out / "samples.jsonl", jobs,
-                           out / "kvpress.log", config.dtype)  # fmt: skip
+    samples_path = out / "samples.jsonl"
+    servers = {
+        "kvpress": kvpress_server(python, _resolve_source(config.model), samples_path, jobs,
+                                  out / "kvpress.log", config.dtype),
+    }  # fmt: skip
     try:
-        _warm_up_ours(config, model, samples, jobs)
+        servers["ours"] = ours_server(config.model, samples_path, jobs, out / "ours.log", config.dtype)
+        rows = {"kvpress": theirs, "ours": ours}
         for rep in range(config.repeats):
             tag = f" (repeat {rep + 1}/{config.repeats})" if config.repeats > 1 else ""
             say(f"kvpress ↔ kvbudget, interleaved: {len(samples)} samples × {len(jobs)} methods{tag}")
-            for i, sample in enumerate(samples):
-                for j, job in enumerate(jobs):
+            for i in range(len(samples)):
+                for j in range(len(jobs)):
                     kvpress_first = (rep + i + j) % 2 == 0
                     for side in ("kvpress", "ours") if kvpress_first else ("ours", "kvpress"):
                         time.sleep(SETTLE_S)
-                        if side == "kvpress":
-                            theirs.append({**server.run(i, j), "repeat": rep, "first": kvpress_first})
-                        else:
-                            row = run_ours(model, sample, job["method"], job["budget"], config.question_aware)
-                            ours.append({**row, "repeat": rep, "first": not kvpress_first})
+                        first = kvpress_first == (side == "kvpress")
+                        rows[side].append({**servers[side].run(i, j), "repeat": rep, "first": first})
                 _save_rows(out, ours, theirs)
     finally:
-        server.close()
+        for server in servers.values():
+            server.close()
 
 
 def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | None = None) -> Path:
@@ -483,7 +514,8 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     run_sides = _run_interleaved if config.interleave else _run_passes
-    run_sides(config, model, python, samples, jobs, out, ours, theirs, say)
+    del model  # the runners load their own copies
+    run_sides(config, python, samples, jobs, out, ours, theirs, say)
     rows = summarise(samples, ours, theirs, tokenizer)
     versions = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print('kvpress', m.version('kvpress'), "

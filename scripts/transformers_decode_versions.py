@@ -7,9 +7,15 @@
 one worker per environment (this file run with ``--worker`` by each venv's python; the workers
 import only torch and transformers), each loads the same model from disk (float32, sdpa), and the
 driver asks them in turn — the side that goes first alternating — to prefill the same token ids
-into a ``DynamicCache``, keep its first ``--budget`` entries per layer (or keep it whole with ``--budget 0``),
-and time ``--steps`` greedy single-token forwards (``logits_to_keep=1``). It prints each side's
+into a ``DynamicCache``, keep its first ``--budget`` entries per layer (``--budget 0``: all), and
+time ``--steps`` greedy single-token forwards (``logits_to_keep=1``). It prints each side's
 median, min and max ms per step (and prefill seconds) over ``--rounds`` rounds, and the ratios.
+
+The two workers may also run the same Python with different environments, e.g. PyTorch's
+transparent-huge-page allocation on one side only::
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/transformers_decode_versions.py \
+        --peer .venv/bin/python --ours-env THP_MEM_ALLOC_ENABLE=1
 """
 
 from __future__ import annotations
@@ -71,10 +77,15 @@ def worker(model_dir: str, length: int) -> None:
         print(json.dumps({"prefill_s": prefill_s, "ms": ms}), flush=True)
 
 
-def _start(python: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+def _start(python: Path, extra_env: list[str], args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     if not python.exists():
         raise SystemExit(f"no python at {python}: build the environment first (make install / make peer)")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    for item in extra_env:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--ours-env / --peer-env take KEY=VALUE, got {item!r}")
+        env[key] = value
     command = [
         str(python),
         __file__,
@@ -109,6 +120,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--ours", type=Path, default=ROOT / ".venv/bin/python")
     parser.add_argument("--peer", type=Path, default=ROOT / ".venv-peer/bin/python")
+    parser.add_argument(
+        "--ours-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the first worker (repeatable)",
+    )
+    parser.add_argument(
+        "--peer-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the second worker (repeatable)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -118,9 +143,9 @@ def main() -> None:
         raise SystemExit(f"no model at {args.model_dir}: run `make install` and `kvbudget fetch` first")
 
     sides = {}
-    for name, python in (("ours", args.ours), ("peer", args.peer)):
-        sides[name], version = _start(python, args)
-        print(f"{name}: {python} ({version})")
+    for name, python, extra in (("ours", args.ours, args.ours_env), ("peer", args.peer, args.peer_env)):
+        sides[name], version = _start(python, extra, args)
+        print(f"{name}: {python} ({version}){' with ' + ' '.join(extra) if extra else ''}")
     times: dict[str, list[float]] = {"ours": [], "peer": []}
     prefills: dict[str, list[float]] = {"ours": [], "peer": []}
     for round_ in range(args.rounds):

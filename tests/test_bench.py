@@ -215,9 +215,10 @@ def _timed_rows(side: str, rng: np.random.Generator, repeats: int) -> list[dict]
     return [
         {"sample": f"s{i}", "method": method, "budget": budget, "repeat": rep, "token_ids": [5, 6, 1],
          "prefill_s": float(p), "decode_s": float(d), "wall_s": float(p + d), "kept_entries": 10,
-         "allocated_entries": 10, "side": side, "minor_faults": int(f)}
+         "allocated_entries": 10, "side": side, "minor_faults": int(f),
+         "compress_s": float(c) if method == "snapkv" else 0.0}
         for rep in range(repeats) for i in range(2) for method, budget in (("snapkv", 64), ("full", None))
-        for p, d, f in [(*rng.uniform(0.5, 3.0, 2), rng.integers(0, 90_000))]
+        for p, d, c, f in [(*rng.uniform(0.5, 3.0, 2), rng.uniform(0.01, 0.2), rng.integers(0, 90_000))]
     ]  # fmt: skip
 
 
@@ -230,7 +231,7 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
     for (sample, method, budget), row in merged.items():
         runs = [r for r in ours if (r["sample"], r["method"], r["budget"]) == (sample, method, budget)]
         assert len(runs) == row["repeats"] == 3
-        for t in ("wall_s", "prefill_s", "decode_s", "minor_faults"):
+        for t in ("wall_s", "prefill_s", "decode_s", "compress_s", "minor_faults"):
             assert row[t] == pytest.approx(np.median([r[t] for r in runs]))
         assert row["deterministic"]
     assert not over_repeats(theirs)[("s1", "full", None)]["deterministic"]
@@ -251,11 +252,12 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
             assert row[f"kvpress_{phase}_s"] == pytest.approx(peer)
             assert row[f"{phase}_ratio"] == pytest.approx(mine / peer)
         for name, side in (("ours", ours), ("kvpress", theirs)):
-            faults = sum(
-                np.median([r["minor_faults"] for r in side if r["sample"] == s and r["method"] == method])
-                for s in ("s0", "s1")
-            )
-            assert row[f"{name}_minor_faults"] == pytest.approx(faults)
+            for measure in ("compress_s", "minor_faults"):
+                total = sum(
+                    np.median([r[measure] for r in side if r["sample"] == s and r["method"] == method])
+                    for s in ("s0", "s1")
+                )
+                assert row[f"{name}_{measure}"] == pytest.approx(total)
 
     text = peer_markdown(PeerConfig(repeats=3), list(rows.values()), "versions")
     header = next(line for line in text.splitlines() if line.startswith("| task"))
@@ -271,6 +273,11 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
     assert cells[11] == f"{r['ours_prefill_s']:.1f} / {r['kvpress_prefill_s']:.1f} ({r['prefill_ratio']:.2f})"
     assert header.strip("|").split("|")[-1].strip() == "page faults ours / kvpress (k)"
     assert cells[-1] == f"{r['ours_minor_faults'] / 1000:.0f} / {r['kvpress_minor_faults'] / 1000:.0f}"
+    assert cells[13] == "0.00 / 0.00"  # full compresses nothing on either side: no ratio
+    snap = next(line for line in text.splitlines() if "| `snapkv" in line)
+    s = rows["snapkv"]
+    ratio = s["ours_compress_s"] / s["kvpress_compress_s"]
+    assert f"| {s['ours_compress_s']:.2f} / {s['kvpress_compress_s']:.2f} ({ratio:.2f}) |" in snap
     assert "not deterministic across repeats** for: full@None (needle 300, kvpress)" in text
     # the reference comes first in its length block
     assert text.index("no press") < text.index(PEERS["snapkv"][1]["press"])

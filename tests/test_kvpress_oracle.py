@@ -140,6 +140,10 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
             assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]), name
             assert r["prefill_s"] > 0 and r["decode_s"] > 0
             assert isinstance(r["minor_faults"], int) and r["minor_faults"] >= 0, name
+            if r["method"] == "full":  # no press; our session only keeps its books
+                assert r["compress_s"] < 0.05 * r["prefill_s"] and (name == "ours" or r["compress_s"] == 0)
+            else:  # both sides time their compression, a part of the prefill
+                assert 0 < r["compress_s"] < r["prefill_s"], name
             context = len(next(s for s in samples if s["id"] == r["sample"])["context_ids"])
             expected = layers * heads * (context if r["method"] == "full" else 96)
             assert r["kept_entries"] == expected, (name, r["method"])

@@ -13,8 +13,9 @@ with ``"question_aware": true`` prefills context and question together inside th
 Timing, as kvbudget's side measures it: ``prefill_s`` runs from the start to the prompt's last
 logits (context prefill with compression, plus the question's forward when question-agnostic),
 ``decode_s`` from there to the last token (first token's argmax included), ``wall_s`` is their
-sum; ``context_s`` is the compressed context prefill alone. Counting the cache's entries is not
-timed.
+sum; ``context_s`` is the compressed context prefill alone; ``compress_s`` the time spent in the
+press's ``compress`` (scoring, selection, gathering the kept entries), summed over the layers.
+Counting the cache's entries is not timed.
 
 ``--serve`` keeps the process: after loading the model (and the warm-up) it prints ``READY``, then
 answers one request per stdin line, ``{"sample": i, "job": j}`` (indices into the samples and
@@ -76,6 +77,20 @@ def cache_entries(cache, model) -> tuple[int, int]:
     return allocated - masked, allocated
 
 
+def _timed(compress: Callable, total: list[float]) -> Callable:
+    """``compress`` (a press's bound method) adding its seconds to ``total[0]`` — every press
+    compresses each layer through ``self.compress`` from its forward hook."""
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return compress(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    return timed
+
+
 @torch.inference_mode()
 def run_one(model, sample: dict, job: dict) -> dict:
     from transformers import DynamicCache
@@ -87,6 +102,9 @@ def run_one(model, sample: dict, job: dict) -> dict:
     if aware:
         ctx, question = torch.cat([ctx, question], 1), question[:, :0]
     press = make_press(job, ctx.shape[1])
+    compress_s = [0.0]
+    if press is not None:
+        press.compress = _timed(press.compress, compress_s)  # this instance only
     model.set_attn_implementation(job.get("attn", "sdpa"))
     cache = DynamicCache()
     start = time.perf_counter()
@@ -121,7 +139,8 @@ def run_one(model, sample: dict, job: dict) -> dict:
     return {
         "sample": sample["id"], "method": job["method"], "budget": job["budget"], "token_ids": generated,
         "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
-        "context_s": context_s, "kept_entries": kept, "allocated_entries": allocated,
+        "context_s": context_s, "compress_s": compress_s[0], "kept_entries": kept,
+        "allocated_entries": allocated,
     }  # fmt: skip
 
 

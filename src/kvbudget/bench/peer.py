@@ -72,6 +72,9 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: the times split per run (seconds), aggregated by median over repeats
 TIMES = ("wall_s", "prefill_s", "decode_s")
+#: per-run measures rows may lack (older runs): compression seconds inside the prefill (ours: the
+#: session's; kvpress: its press's ``compress``) and the runner's minor page faults
+OPTIONAL = ("compress_s", "minor_faults")
 
 
 def runner_script() -> Path:
@@ -280,9 +283,13 @@ def run_kvpress(
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    return None if None in values else statistics.median(values)  # type: ignore[type-var]
+
+
 def over_repeats(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None], dict[str, Any]]:
-    """Per (sample, method, budget): the first repeat's row with each of :data:`TIMES` (and
-    ``minor_faults``, None unless every row has it) replaced by its median over the repeats, plus
+    """Per (sample, method, budget): the first repeat's row with each of :data:`TIMES` (and of
+    :data:`OPTIONAL`, None unless every row has it) replaced by its median over the repeats, plus
     ``repeats`` (how many rows) and ``deterministic`` (every repeat decoded the same token ids).
     Rows without a ``repeat`` field count as repeat 0."""
     groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
@@ -292,11 +299,10 @@ def over_repeats(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None]
     for key, runs in groups.items():
         runs = sorted(runs, key=lambda r: r.get("repeat", 0))
         first = runs[0]
-        faults = [r.get("minor_faults") for r in runs]
         merged[key] = {
             **first, **{t: statistics.median(r[t] for r in runs) for t in TIMES}, "repeats": len(runs),
             "deterministic": all(r["token_ids"] == first["token_ids"] for r in runs),
-            "minor_faults": None if None in faults else statistics.median(faults),
+            **{m: _median_or_none([r.get(m) for r in runs]) for m in OPTIONAL},
         }  # fmt: skip
     return merged
 
@@ -355,9 +361,10 @@ def summarise(
             mine, peer = sum(a[t] for a, _ in pairs), sum(b[t] for _, b in pairs)
             row[f"ours_{t}"], row[f"kvpress_{t}"] = mine, peer
             row[f"{t.removesuffix('_s')}_ratio"] = mine / peer if peer > 0 else float("nan")
-        for side, runs in (("ours", [a for a, _ in pairs]), ("kvpress", [b for _, b in pairs])):
-            faults = [r["minor_faults"] for r in runs]
-            row[f"{side}_minor_faults"] = None if None in faults else sum(faults)
+        for m in OPTIONAL:
+            mine_, peer_ = ([r[m] for r in side] for side in zip(*pairs, strict=True))
+            row[f"ours_{m}"] = None if None in mine_ else sum(mine_)
+            row[f"kvpress_{m}"] = None if None in peer_ else sum(peer_)
         for field_ in ("kept_entries", "allocated_entries"):
             row[f"ours_{field_}"] = statistics.median(a[field_] for a, _ in pairs)
             row[f"kvpress_{field_}"] = statistics.median(b[field_] for _, b in pairs)
@@ -377,6 +384,12 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
     def thousands(faults: float | None) -> str:
         return "—" if faults is None else f"{faults / 1000:.0f}"
 
+    def compression(r: dict[str, Any]) -> str:
+        mine, peer = r["ours_compress_s"], r["kvpress_compress_s"]
+        if mine is None or peer is None:
+            return "—"
+        return f"{mine:.2f} / {peer:.2f}" + (f" ({mine / peer:.2f})" if peer > 0 else "")
+
     def seconds(r: dict[str, Any], phase: str) -> str:
         return f"{r[f'ours_{phase}_s']:.1f} / {r[f'kvpress_{phase}_s']:.1f} ({r[f'{phase}_ratio']:.2f})"
 
@@ -395,15 +408,18 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
         "ours / kvpress. Prefill: start to the prompt's last logits (compression included; the "
         "question's forward too when question-agnostic). Decode: from there to the last token. "
         "Wall = prefill + decode. `full` (no compression, no press) is the accuracy ceiling. "
+        "Compression: the part of the prefill spent scoring, selecting and gathering (ours: the "
+        "session's compression; kvpress: its press's `compress`), same sums. "
         "Same tokens over repeats: whether each side decoded identical ids in every repeat. Page "
         "faults: minor faults of each side's runner process during its runs (same sums), memory the "
         "kernel had to map and zero — an allocator cost that varies with a process's history.",
         "",
         "| task | length | ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer "
         "| same tokens over repeats ours / kvpress | wall s ours / kvpress (ratio) "
-        "| prefill s ours / kvpress (ratio) | decode s ours / kvpress (ratio) | tokens ours / kvpress "
+        "| prefill s ours / kvpress (ratio) | decode s ours / kvpress (ratio) "
+        "| compression s ours / kvpress (ratio) | tokens ours / kvpress "
         "| entries kept ours / kvpress | allocated ours / kvpress | page faults ours / kvpress (k) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=_row_order):
         budget = "—" if r["budget"] is None else str(r["budget"])
@@ -413,7 +429,7 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
             f"{100 * r['ours_accuracy']:.0f} / {100 * r['kvpress_accuracy']:.0f} | "
             f"{r['accuracy_diff_samples']:+.0f} | {100 * r['same_answer']:.0f}% | "
             f"{identical(r, 'ours')} / {identical(r, 'kvpress')} | {seconds(r, 'wall')} | "
-            f"{seconds(r, 'prefill')} | {seconds(r, 'decode')} | "
+            f"{seconds(r, 'prefill')} | {seconds(r, 'decode')} | {compression(r)} | "
             f"{r['ours_tokens']} / {r['kvpress_tokens']} | "
             f"{r['ours_kept_entries']:.0f} / {r['kvpress_kept_entries']:.0f} | "
             f"{r['ours_allocated_entries']:.0f} / {r['kvpress_allocated_entries']:.0f} | "

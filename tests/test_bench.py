@@ -115,6 +115,11 @@ def test_bench_config_measures_full_once_per_length_and_validates() -> None:
     specs = config.specs()
     assert len(specs) == 2 * (2 + 2 * 2)
     assert {s.budget for s in specs if s.method == "full"} == {128}
+    per_length = [[(s.repeat, s.method, s.budget) for s in specs if s.length == n] for n in (512, 1024)]
+    assert [s.length for s in specs] == [512] * 6 + [1024] * 6
+    for runs in per_length:  # repeat by repeat: each repeat measures every (method, budget) once
+        assert [r for r, _, _ in runs] == [0] * 3 + [1] * 3
+        assert runs[:3] == [(0, "full", 128), (0, "snapkv", 64), (0, "snapkv", 128)]
     for bad in (BenchConfig(budgets=[0]), BenchConfig(repeats=0), BenchConfig(methods=["nope"])):
         with pytest.raises(KVBudgetError):
             bad.validate()

@@ -59,13 +59,15 @@ class BenchConfig:
             raise KVBudgetError(f"new_tokens must be ≥ 2 (TPOT needs a decode step), got {self.new_tokens}")
 
     def specs(self) -> list[MeasureSpec]:
-        """Every measurement, grouped by length so a partial run covers short contexts first."""
+        """Every measurement, grouped by length so a partial run covers short contexts first; within
+        a length, repeat by repeat (every method once, then again), so the machine's drift over
+        minutes spreads over all methods instead of biasing the ones measured last."""
         out = []
         for length in self.lengths:
-            for method in self.methods:
-                budgets = [max(self.budgets)] if method.split(":")[0] == "full" else self.budgets
-                for budget in budgets:
-                    for repeat in range(self.repeats):
+            for repeat in range(self.repeats):
+                for method in self.methods:
+                    budgets = [max(self.budgets)] if method.split(":")[0] == "full" else self.budgets
+                    for budget in budgets:
                         out.append(
                             MeasureSpec(
                                 self.model, method, length, budget, self.new_tokens, self.dtype,

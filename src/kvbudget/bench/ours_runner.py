@@ -1,13 +1,13 @@
 """kvbudget's side of ``bench peer``, in its own process like kvpress's runner.
 
-    python -m kvbudget.bench.ours_runner --model M --samples S.jsonl --jobs J.json --serve [--warmup]
+    python -m kvbudget.bench.ours_runner --model M --samples S.jsonl --jobs J.json [--warmup]
 
 The mirror of :mod:`kvbudget.bench.kvpress_runner`: it loads the model, reads the exported
 samples and the jobs (each job names one of :data:`kvbudget.bench.peer.PEERS`, a budget and
-``question_aware``), optionally warms up on one short untimed run of the first job, prints
-``READY``, then answers ``{"sample": i, "job": j}`` stdin lines with ``ROW <json>`` lines (one
-:func:`kvbudget.bench.peer.run_ours` row each, with its page faults) through the runner's own
-serve loop. With both sides in fresh processes of the same layout — model loaded, warmed up,
+``question_aware``), optionally warms up on one short untimed run of the first job, then serves
+(its only mode): it prints ``READY`` and answers ``{"sample": i, "job": j}`` stdin lines with
+``ROW <json>`` lines (one :func:`kvbudget.bench.peer.run_ours` row each, with its page faults)
+through the kvpress runner's serve loop. With both sides in fresh processes of the same layout — model loaded, warmed up,
 then one run per request — neither side's timings carry the other's history: the driver (``bench
 peer``) only exports samples, sends requests and writes reports.
 """
@@ -25,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", required=True)
     parser.add_argument("--jobs", required=True)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--serve", action="store_true", required=True, help="answer requests from stdin")
     parser.add_argument("--warmup", action="store_true", help="run the first job once untimed first")
     args = parser.parse_args(argv)
 

@@ -268,7 +268,7 @@ def kvpress_server(
 def ours_server(model: str, samples: Path, jobs: list[dict[str, Any]], log: Path, dtype: str) -> RunnerServer:
     """Our runner, serving, with this process's Python and environment."""
     args = _runner_args(model, samples, jobs, log.with_name("jobs.json"), dtype)
-    command = [sys.executable, "-m", "kvbudget.bench.ours_runner", *args, "--serve"]
+    command = [sys.executable, "-m", "kvbudget.bench.ours_runner", *args]  # it only serves
     return RunnerServer("kvbudget", command, log, dict(os.environ))
 
 

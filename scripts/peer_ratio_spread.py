@@ -1,0 +1,75 @@
+"""Run-by-run wall-time ratios of `kvbudget bench peer` runs: per pair and pooled, with their spread.
+
+    python scripts/peer_ratio_spread.py runs/peer6 runs/peer7 runs/peer8
+
+``peer.md`` gives each pair's ratio of summed per-sample medians; this reads the rows behind it
+(``ours.jsonl`` / ``kvpress.jsonl``), pairs every run with the other side's run of the same
+(sample, method, budget, repeat), and prints per run directory and pair: the geometric mean of
+the paired wall-time ratios ours / kvpress with its standard error (of the log ratios), the
+ratio of the sums, and the mean page faults per run of each side (when the rows have them).
+Then the same pooled over all directories, for the pairs that run the same algorithm on both
+sides (``--same``) and for every pair but H2O (whose kvpress side needs eager attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+SAME_ALGORITHM = ("full", "snapkv", "streamingllm", "knorm", "tova")
+
+
+def paired(run_dir: Path) -> dict[str, list[tuple[dict, dict]]]:
+    """Per method, the (ours, kvpress) row pairs of ``run_dir``."""
+    sides = []
+    for name in ("ours.jsonl", "kvpress.jsonl"):
+        path = run_dir / name
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: not a `kvbudget bench peer` output directory")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        sides.append({(r["sample"], r["method"], r["budget"], r.get("repeat", 0)): r for r in rows})
+    ours, theirs = sides
+    pairs: dict[str, list[tuple[dict, dict]]] = {}
+    for key, row in ours.items():
+        if key in theirs:
+            pairs.setdefault(key[1], []).append((row, theirs[key]))
+    return pairs
+
+
+def summary(pairs: list[tuple[dict, dict]]) -> str:
+    logs = [math.log(a["wall_s"] / b["wall_s"]) for a, b in pairs]
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    sums = sum(a["wall_s"] for a, _ in pairs) / sum(b["wall_s"] for _, b in pairs)
+    text = f"n={len(pairs):3d}  geo {math.exp(statistics.mean(logs)):.3f} ± {se:.3f}  sums {sums:.3f}"
+    faults = [(a.get("minor_faults"), b.get("minor_faults")) for a, b in pairs]
+    if all(x is not None and y is not None for x, y in faults):
+        ours, theirs = (statistics.mean(side) / 1000 for side in zip(*faults, strict=True))
+        text += f"  faults/run ours {ours:.0f}k kvpress {theirs:.0f}k"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="`bench peer --out` directories")
+    parser.add_argument("--same", default=",".join(SAME_ALGORITHM), help="pairs running the same algorithm")
+    args = parser.parse_args()
+    same = args.same.split(",")
+    pooled: dict[str, list[tuple[dict, dict]]] = {}
+    for run_dir in args.runs:
+        print(run_dir)
+        for method, pairs in sorted(paired(run_dir).items()):
+            print(f"  {method:13s} {summary(pairs)}")
+            pooled.setdefault(method, []).extend(pairs)
+    groups = {"same algorithm": same, "all but h2o": [m for m in pooled if m != "h2o"]}
+    print("pooled over", ", ".join(map(str, args.runs)))
+    for label, methods in groups.items():
+        pairs = [p for m in methods for p in pooled.get(m, [])]
+        if pairs:
+            print(f"  {label:15s} {summary(pairs)}")
+
+
+if __name__ == "__main__":
+    main()

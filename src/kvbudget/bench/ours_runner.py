@@ -7,9 +7,9 @@ samples and the jobs (each job names one of :data:`kvbudget.bench.peer.PEERS`, a
 ``question_aware``), optionally warms up on one short untimed run of the first job, then serves
 (its only mode): it prints ``READY`` and answers ``{"sample": i, "job": j}`` stdin lines with
 ``ROW <json>`` lines (one :func:`kvbudget.bench.peer.run_ours` row each, with its page faults)
-through the kvpress runner's serve loop. With both sides in fresh processes of the same layout — model loaded, warmed up,
-then one run per request — neither side's timings carry the other's history: the driver (``bench
-peer``) only exports samples, sends requests and writes reports.
+through the kvpress runner's serve loop. With both sides in fresh processes of the same layout —
+model loaded, warmed up, then one run per request — neither side's timings carry the other's
+history: the driver (``bench peer``) only exports samples, sends requests and writes reports.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 from conftest import TINY, tiny_model, tiny_tokenizer
 from kvbudget.bench import memory
 from kvbudget.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
-from kvbudget.bench.grid import BenchConfig, aggregate, run_worker
+from kvbudget.bench.grid import BenchConfig, aggregate, run_key, run_worker
 from kvbudget.bench.measure import MeasureSpec
 from kvbudget.bench.peer import PEERS, PeerConfig, make_jobs, over_repeats, run_ours, summarise
 from kvbudget.bench.peer import markdown as peer_markdown
@@ -94,6 +95,25 @@ def test_targets_report_ratios_and_verdicts() -> None:
     assert measured.startswith("RSS 0.750") and verdict == "met"
 
 
+def test_batched_runs_aggregate_and_report_apart_from_single_rows() -> None:
+    runs = [
+        _run("full", 8192, 256, 0, 0.10),
+        _run("snapkv", 8192, 256, 0, 0.07),
+        {**_run("full", 8192, 256, 0, 0.40), "batch": 4},
+        {**_run("snapkv", 8192, 256, 0, 0.12), "batch": 4},
+    ]
+    rows = aggregate(runs, bandwidth=None)
+    assert sorted((r["method"], r["batch"], r["tpot_s"]) for r in rows) == [
+        ("full", 1, 0.10), ("full", 4, 0.40), ("snapkv", 1, 0.07), ("snapkv", 4, 0.12),
+    ]  # fmt: skip
+    checks = {t: (m, v) for t, m, v in targets(rows)}
+    assert checks["TPOT ≤ 0.6 × full: snapkv @256, 8192 tokens"] == ("0.70", "missed")
+    assert checks["TPOT ≤ 0.6 × full: snapkv @256, 8192 tokens, batch 4"] == ("0.30", "met")
+    one = asdict(MeasureSpec())
+    del one["batch"]  # a run recorded before `batch` existed is a batch of 1
+    assert run_key({**one, "batch": 4}) != run_key(one) == run_key(MeasureSpec())
+
+
 def test_report_writes_a_table_and_two_plots(tmp_path: Path) -> None:
     runs = [_run(m, n, 64, 0, 0.01 * n / 1024) for m in ("full", "snapkv") for n in (1024, 2048)]
     result = {
@@ -120,7 +140,9 @@ def test_bench_config_measures_full_once_per_length_and_validates() -> None:
     for runs in per_length:  # repeat by repeat: each repeat measures every (method, budget) once
         assert [r for r, _, _ in runs] == [0] * 3 + [1] * 3
         assert runs[:3] == [(0, "full", 128), (0, "snapkv", 64), (0, "snapkv", 128)]
-    for bad in (BenchConfig(budgets=[0]), BenchConfig(repeats=0), BenchConfig(methods=["nope"])):
+    assert {s.batch for s in BenchConfig(batch=3).specs()} == {3}
+    bad_configs = [BenchConfig(budgets=[0]), BenchConfig(repeats=0), BenchConfig(methods=["nope"])]
+    for bad in [*bad_configs, BenchConfig(batch=0)]:
         with pytest.raises(KVBudgetError):
             bad.validate()
 
@@ -335,6 +357,18 @@ def test_worker_measures_a_real_run() -> None:
     assert row["decode_steps"] == 2 and row["tpot_s"] > 0 and row["ttft_s"] > row["compress_s"] > 0
     assert 240 <= row["prompt_tokens"] <= 256
     json.dumps(row)
+
+
+@pytest.mark.integration
+def test_worker_decodes_a_batch_with_every_row_compressed() -> None:
+    """A batch of 2: every row holds its own budget, so the cache is twice one row's."""
+    spec = MeasureSpec(method="snapkv", length=256, budget=64, new_tokens=3)
+    single = run_worker(spec, threads=1)
+    batched = run_worker(MeasureSpec(**{**asdict(spec), "batch": 2}), threads=1)
+    assert "error" not in batched, batched.get("error")
+    assert batched["batch"] == 2 and batched["decode_steps"] == 2
+    assert batched["logical_bytes"] == batched["physical_bytes"] == 2 * single["logical_bytes"]
+    assert batched["decode_kv_bytes"] == 2 * single["decode_kv_bytes"]
 
 
 @pytest.mark.integration

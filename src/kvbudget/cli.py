@@ -356,6 +356,9 @@ def bench(
     new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run (TPOT is their mean).")] = 64,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     threads: Annotated[int | None, typer.Option(help="Torch threads per run (default: inherited).")] = None,
+    batch: Annotated[
+        int, typer.Option(help="Rows decoded together (the same prompt in each); TPOT is per step.")
+    ] = 1,
     out: Annotated[Path, typer.Option(help="Output directory (bench.json, bench.md, plots).")] = Path(
         "runs/bench"
     ),
@@ -365,7 +368,9 @@ def bench(
         return
     from kvbudget.bench.grid import BenchConfig, run_bench
 
-    config = BenchConfig(model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads)
+    config = BenchConfig(
+        model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads, batch=batch
+    )
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
     config.lengths = _ints(lengths, "lengths") or config.lengths

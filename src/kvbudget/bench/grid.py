@@ -4,7 +4,7 @@ Each measurement runs in a fresh Python process (:mod:`kvbudget.bench.measure`) 
 RSS is its own (``ru_maxrss`` only grows, and a previous run's freed memory may stay mapped by
 the allocator). Runs go to ``DIR/runs.jsonl`` as they finish (a rerun skips those done);
 ``DIR/bench.json`` holds the machine (memory bandwidth, threads, versions), the configuration,
-and one aggregated row per (method, length, budget): the median of every figure over the
+and one aggregated row per (method, length, budget, batch): the median of every figure over the
 repeats and its spread (min, max). ``DIR/bench.md`` and two plots summarise them.
 """
 
@@ -43,6 +43,7 @@ class BenchConfig:
     threads: int | None = None  # torch threads per worker (OMP_NUM_THREADS); None = inherit
     task: str = "needle"
     seed: int = 0
+    batch: int = 1  # rows decoded together (see MeasureSpec.batch)
 
     def validate(self) -> None:
         from kvbudget.eval.runner import MethodSpec
@@ -55,6 +56,8 @@ class BenchConfig:
             raise KVBudgetError(f"lengths must be positive integers, got {self.lengths}")
         if self.repeats < 1:
             raise KVBudgetError(f"repeats must be ≥ 1, got {self.repeats}")
+        if self.batch < 1:
+            raise KVBudgetError(f"batch must be ≥ 1, got {self.batch}")
         if self.new_tokens < 2:
             raise KVBudgetError(f"new_tokens must be ≥ 2 (TPOT needs a decode step), got {self.new_tokens}")
 
@@ -71,7 +74,7 @@ class BenchConfig:
                         out.append(
                             MeasureSpec(
                                 self.model, method, length, budget, self.new_tokens, self.dtype,
-                                self.task, self.seed, repeat,
+                                self.task, self.seed, repeat, self.batch,
                             )  # fmt: skip
                         )
         return out
@@ -79,8 +82,8 @@ class BenchConfig:
 
 def run_key(spec: MeasureSpec | dict[str, Any]) -> str:
     d = asdict(spec) if isinstance(spec, MeasureSpec) else spec
-    return json.dumps([d[k] for k in ("model", "method", "length", "budget", "new_tokens", "dtype", "task",
-                                      "seed", "repeat")])  # fmt: skip
+    keys = ("model", "method", "length", "budget", "new_tokens", "dtype", "task", "seed", "repeat")
+    return json.dumps([d[k] for k in keys] + [d.get("batch", 1)])  # runs before `batch` existed had 1
 
 
 def run_worker(spec: MeasureSpec, threads: int | None = None, timeout: float | None = None) -> dict[str, Any]:
@@ -106,18 +109,19 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def aggregate(runs: list[dict[str, Any]], bandwidth: float | None) -> list[dict[str, Any]]:
-    """One row per (method, length, budget): medians, ``<figure>_spread`` (min/max) and the bound."""
+    """One row per (method, length, budget, batch): medians, ``<figure>_spread`` (min/max) and the bound."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
         if "error" in run:
             continue
-        groups.setdefault((run["method"], run["length"], run["budget"]), []).append(run)
+        groups.setdefault((run["method"], run["length"], run["budget"], run.get("batch", 1)), []).append(run)
     rows = []
-    for (method, length, budget), group in groups.items():
+    for (method, length, budget, batch), group in groups.items():
         row: dict[str, Any] = {
             "method": method,
             "length": length,
             "budget": None if method.split(":")[0] == "full" else budget,
+            "batch": batch,
             "prompt_tokens": group[0]["prompt_tokens"],
             "repeats": len(group),
         }

@@ -41,6 +41,9 @@ class MeasureSpec:
         dtype: model dtype (``float32`` or ``bfloat16``).
         task: task whose generator makes the prompt (``needle``: an essay haystack with a question).
         seed: sample seed; repeat: index of this repetition (recorded only).
+        batch: rows decoded together (the same prompt in every row, so nothing is padded): a
+            decode step reads the weights once for all rows and each row's cache, so the larger
+            the batch, the more of a step is cache reads. TPOT is per step (every row's token).
     """
 
     model: str = "smollm2-135m"
@@ -52,6 +55,7 @@ class MeasureSpec:
     task: str = "needle"
     seed: int = 0
     repeat: int = 0
+    batch: int = 1
 
 
 def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
@@ -92,7 +96,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     # warm-up: one short prefill and two decode steps with the same method (kernels, allocator)
     warm = type(prompt)(prompt.ids[: min(len(prompt.ids), 2 * budget + 64)], [])
     session = CompressionSession(MethodSpec.parse(spec.method).build(), layers, budget=budget)
-    cache, logits, mask, last = prefill(model, [warm], session, pad_id)
+    cache, logits, mask, last = prefill(model, [warm] * spec.batch, session, pad_id)
     decode_loop(model, cache, logits, mask, last, set(), 3, trace=False)
     del cache, logits, session
     gc.collect()
@@ -101,7 +105,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     reset_ok = reset_peak()
     session = CompressionSession(method, layers, budget=budget)
     start = time.perf_counter()
-    cache, logits, mask, last = prefill(model, [prompt], session, pad_id)
+    cache, logits, mask, last = prefill(model, [prompt] * spec.batch, session, pad_id)
     prefill_wall = time.perf_counter() - start
     after_prefill = cache.stats()
     decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)

@@ -9,12 +9,17 @@ MIB = 1 << 20
 
 
 def _label(row: dict[str, Any]) -> str:
-    return row["method"] if row["budget"] is None else f"{row['method']} @{row['budget']}"
+    label = row["method"] if row["budget"] is None else f"{row['method']} @{row['budget']}"
+    batch = row.get("batch", 1)
+    return label if batch == 1 else f"{label} ×{batch}"
 
 
-def _row(rows: list[dict[str, Any]], method: str, length: int, budget: int | None) -> dict[str, Any] | None:
+def _row(
+    rows: list[dict[str, Any]], method: str, length: int, budget: int | None, batch: int = 1
+) -> dict[str, Any] | None:
     for r in rows:
-        if r["method"] == method and r["length"] == length and (budget is None or r["budget"] == budget):
+        if (r["method"] == method and r["length"] == length and (budget is None or r["budget"] == budget)
+                and r.get("batch", 1) == batch):  # fmt: skip
             return r
     return None
 
@@ -35,27 +40,31 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
         for r in (r for r in rows if r["method"] == method and r["length"] == at4):
             share = r["compress_overhead"]
             out.append((
-                f"compression ≤ 3% of prefill: {method} @{r['budget']}, {r['length']} tokens",
+                f"compression ≤ 3% of prefill: {_label(r)}, {r['length']} tokens",
                 f"{100 * share:.1f}%", "met" if share <= 0.03 else "missed",
             ))  # fmt: skip
     at8 = _at(rows, 8192)
-    full = _row(rows, "full", at8, None) if at8 is not None else None
-    if full:
-        budget = 256 if any(r["budget"] == 256 for r in rows) else max(r["budget"] or 0 for r in rows)
-        for r in (r for r in rows if r["length"] == at8 and r["budget"] == budget):
+    for batch in sorted({r.get("batch", 1) for r in rows}):
+        full = _row(rows, "full", at8, None, batch) if at8 is not None else None
+        if not full:
+            continue
+        same = [r for r in rows if r.get("batch", 1) == batch]
+        budget = 256 if any(r["budget"] == 256 for r in same) else max(r["budget"] or 0 for r in same)
+        suffix = "" if batch == 1 else f", batch {batch}"
+        for r in (r for r in same if r["length"] == at8 and r["budget"] == budget):
             ratio = r["tpot_s"] / full["tpot_s"]
             bound = ""
             if "tpot_bound_s" in r:
                 bound = f" (bandwidth bound {r['tpot_bound_s'] / full['tpot_bound_s']:.2f})"
             out.append((
-                f"TPOT ≤ 0.6 × full: {r['method']} @{budget}, {at8} tokens",
+                f"TPOT ≤ 0.6 × full: {r['method']} @{budget}, {at8} tokens{suffix}",
                 f"{ratio:.2f}{bound}", "met" if ratio <= 0.6 else "missed",
             ))  # fmt: skip
-        for r in (r for r in rows if r["method"] == "lava" and r["length"] == at8):
+        for r in (r for r in same if r["method"] == "lava" and r["length"] == at8):
             ratio = r["peak_rss_bytes"] / full["peak_rss_bytes"]
             kv = r["kv_peak_bytes"] / full["kv_peak_bytes"]
             out.append((
-                f"peak memory below full: lava @{r['budget']}, {at8} tokens",
+                f"peak memory below full: {_label(r)}, {at8} tokens",
                 f"RSS {ratio:.3f} × full (KV peak {kv:.3f} ×)", "met" if ratio < 1 else "missed",
             ))  # fmt: skip
     return out
@@ -68,7 +77,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# kvbudget benchmark",
         "",
-        f"Model `{cfg['model']}` ({cfg['dtype']}), {cfg['new_tokens']} new tokens, {cfg['repeats']} repeats "
+        f"Model `{cfg['model']}` ({cfg['dtype']}), batch {cfg.get('batch', 1)} (TPOT per step of every row), "
+        f"{cfg['new_tokens']} new tokens, {cfg['repeats']} repeats "
         f"(each a fresh process); torch threads: {cfg['threads'] or 'inherited'}. Medians, spread = min–max.",
     ]
     if bw:

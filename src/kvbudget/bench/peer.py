@@ -15,7 +15,7 @@ sends requests and writes the reports, so neither side's timings carry this proc
 (allocations, page-fault state) — each row records its run's ``minor_faults``.
 
 ``interleave`` (the default) alternates the sides run by run: one runner process per side stays up
-(``--serve``, warmed up once) and each (sample, method, budget) runs on both
+(serving requests, warmed up once) and each (sample, method, budget) runs on both
 sides back to back, the side that goes first alternating — the machine's speed drifts by ±10%
 over minutes, which whole passes per side turn into a bias. Without it, ``repeats`` alternates
 whole passes (kvpress pass, ours pass, kvpress pass, …; each kvpress pass one runner process with

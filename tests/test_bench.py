@@ -20,7 +20,7 @@ from kvbudget.bench.grid import BenchConfig, aggregate, run_key, run_worker
 from kvbudget.bench.measure import MeasureSpec
 from kvbudget.bench.peer import PEERS, PeerConfig, make_jobs, over_repeats, run_ours, summarise
 from kvbudget.bench.peer import markdown as peer_markdown
-from kvbudget.bench.report import markdown, targets, write_bench_report
+from kvbudget.bench.report import bound_lines, markdown, targets, write_bench_report
 from kvbudget.cli import app
 from kvbudget.errors import KVBudgetError
 
@@ -109,6 +109,11 @@ def test_batched_runs_aggregate_and_report_apart_from_single_rows() -> None:
     checks = {t: (m, v) for t, m, v in targets(rows)}
     assert checks["TPOT ≤ 0.6 × full: snapkv @256, 8192 tokens"] == ("0.70", "missed")
     assert checks["TPOT ≤ 0.6 × full: snapkv @256, 8192 tokens, batch 4"] == ("0.30", "met")
+    bounded = aggregate(runs, bandwidth=1e5)
+    series = {f"{r['method']} ×{r['batch']}": [r] for r in bounded}
+    assert [(label, xs) for label, xs, _ in bound_lines(series)] == [
+        ("full ×1: bandwidth bound", [8192]), ("full ×4: bandwidth bound", [8192]),
+    ]  # fmt: skip
     one = asdict(MeasureSpec())
     del one["batch"]  # a run recorded before `batch` existed is a batch of 1
     assert run_key({**one, "batch": 4}) != run_key(one) == run_key(MeasureSpec())

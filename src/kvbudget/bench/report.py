@@ -111,6 +111,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bound_lines(series: dict[str, list[dict[str, Any]]]) -> list[tuple[str, list[int], list[float]]]:
+    """The TPOT plot's bound lines: ``(label, lengths, bound ms)`` of every full-cache series (one per
+    batch size) whose rows have a bandwidth bound."""
+    return [
+        (f"{label}: bandwidth bound", [r["length"] for r in rows], [1000 * r["tpot_bound_s"] for r in rows])
+        for label, rows in series.items()
+        if rows[0]["method"] == "full" and "tpot_bound_s" in rows[0]
+    ]
+
+
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """``time_vs_length.png`` (TTFT, TPOT, compression) and ``memory_vs_length.png``."""
     import matplotlib
@@ -141,11 +151,8 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
                 lo = [(r[key] - r[key + "_spread"][0]) * scale for r in s]
                 hi = [(r[key + "_spread"][1] - r[key]) * scale for r in s]
                 ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
-            if key == "tpot_s" and any("tpot_bound_s" in r for r in rows):
-                full = series.get("full")
-                if full and "tpot_bound_s" in full[0]:
-                    ax.plot([r["length"] for r in full], [1000 * r["tpot_bound_s"] for r in full], "k--",
-                            label="full: bandwidth bound")  # fmt: skip
+            for label, xs, ys in bound_lines(series) if key == "tpot_s" else []:
+                ax.plot(xs, ys, "k--x", label=label)  # a cross: visible for one length too
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")
             ax.set_title(title)

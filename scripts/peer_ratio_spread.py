@@ -5,7 +5,8 @@
 ``peer.md`` gives each pair's ratio of summed per-sample medians; this reads the rows behind it
 (``ours.jsonl`` / ``kvpress.jsonl``), pairs every run with the other side's run of the same
 (sample, method, budget, repeat), and prints per run directory and pair: the geometric mean of
-the paired wall-time ratios ours / kvpress with its standard error (of the log ratios), the
+the paired wall-time ratios ours / kvpress ×/÷ its standard error (of the log ratios) and the
+verdict of :func:`kvbudget.bench.peer.paired_ratio`, the
 ratio of the sums, and the mean page faults per run of each side (when the rows have them).
 Then the same pooled over all directories, for the pairs that run the same algorithm on both
 sides (``--same``) and for every pair but H2O (whose kvpress side needs eager attention).
@@ -15,35 +16,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
-SAME_ALGORITHM = ("full", "snapkv", "streamingllm", "knorm", "tova")
+from kvbudget.bench.peer import SAME_ALGORITHM, paired_ratio, run_pairs
 
 
 def paired(run_dir: Path) -> dict[str, list[tuple[dict, dict]]]:
-    """Per method, the (ours, kvpress) row pairs of ``run_dir``."""
+    """Per method, the (ours, kvpress) run pairs of ``run_dir``."""
     sides = []
     for name in ("ours.jsonl", "kvpress.jsonl"):
         path = run_dir / name
         if not path.exists():
             raise SystemExit(f"{path} is missing: not a `kvbudget bench peer` output directory")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        sides.append({(r["sample"], r["method"], r["budget"], r.get("repeat", 0)): r for r in rows})
-    ours, theirs = sides
+        sides.append([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
     pairs: dict[str, list[tuple[dict, dict]]] = {}
-    for key, row in ours.items():
-        if key in theirs:
-            pairs.setdefault(key[1], []).append((row, theirs[key]))
+    for (_, method, _), group in run_pairs(*sides).items():
+        pairs.setdefault(method, []).extend(group)
     return pairs
 
 
 def summary(pairs: list[tuple[dict, dict]]) -> str:
-    logs = [math.log(a["wall_s"] / b["wall_s"]) for a, b in pairs]
-    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    stats = paired_ratio(pairs)
+    se = f"×/÷ {stats['se_factor']:.3f} ({stats['verdict']})" if stats["se_factor"] else "(one run)"
     sums = sum(a["wall_s"] for a, _ in pairs) / sum(b["wall_s"] for _, b in pairs)
-    text = f"n={len(pairs):3d}  geo {math.exp(statistics.mean(logs)):.3f} ± {se:.3f}  sums {sums:.3f}"
+    text = f"n={stats['n']:3d}  geo {stats['ratio']:.3f} {se}  sums {sums:.3f}"
     faults = [(a.get("minor_faults"), b.get("minor_faults")) for a, b in pairs]
     if all(x is not None and y is not None for x, y in faults):
         ours, theirs = (statistics.mean(side) / 1000 for side in zip(*faults, strict=True))

@@ -18,7 +18,17 @@ from kvbudget.bench import memory
 from kvbudget.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from kvbudget.bench.grid import BenchConfig, aggregate, run_key, run_worker
 from kvbudget.bench.measure import MeasureSpec
-from kvbudget.bench.peer import PEERS, PeerConfig, make_jobs, over_repeats, run_ours, summarise
+from kvbudget.bench.peer import (
+    PEERS,
+    PeerConfig,
+    make_jobs,
+    over_repeats,
+    paired_ratio,
+    pooled_wall,
+    run_ours,
+    run_pairs,
+    summarise,
+)
 from kvbudget.bench.peer import markdown as peer_markdown
 from kvbudget.bench.report import bound_lines, markdown, targets, write_bench_report
 from kvbudget.cli import app
@@ -302,10 +312,11 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
     assert cells[9] == "yes / **NO**"
     assert len(cells) == len([c for c in header.strip("|").split("|")])
     r = rows["full"]
-    assert cells[11] == f"{r['ours_prefill_s']:.1f} / {r['kvpress_prefill_s']:.1f} ({r['prefill_ratio']:.2f})"
+    assert cells[11].endswith(f"({r['wall_paired']['verdict']}, 6 runs)")  # wall, run by run
+    assert cells[12] == f"{r['ours_prefill_s']:.1f} / {r['kvpress_prefill_s']:.1f} ({r['prefill_ratio']:.2f})"
     assert header.strip("|").split("|")[-1].strip() == "page faults ours / kvpress (k)"
     assert cells[-1] == f"{r['ours_minor_faults'] / 1000:.0f} / {r['kvpress_minor_faults'] / 1000:.0f}"
-    assert cells[13] == "0.00 / 0.00"  # full compresses nothing on either side: no ratio
+    assert cells[14] == "0.00 / 0.00"  # full compresses nothing on either side: no ratio
     snap = next(line for line in text.splitlines() if "| `snapkv" in line)
     s = rows["snapkv"]
     ratio = s["ours_compress_s"] / s["kvpress_compress_s"]
@@ -313,6 +324,40 @@ def test_peer_repeats_aggregate_by_median_and_check_tokens() -> None:
     assert "not deterministic across repeats** for: full@None (needle 300, kvpress)" in text
     # the reference comes first in its length block
     assert text.index("no press") < text.index(PEERS["snapkv"][1]["press"])
+
+
+def test_peer_wall_ratio_run_by_run_has_an_error_and_a_verdict() -> None:
+    rng = np.random.default_rng(1)
+    ours, theirs = _timed_rows("ours", rng, 4), _timed_rows("kvpress", rng, 4)
+    for r in theirs:  # kvpress ≈ 1.5 × slower on snapkv, the same on full (up to noise)
+        if r["method"] == "snapkv":
+            r["wall_s"] = 1.5 * next(o["wall_s"] for o in ours if (o["sample"], o["method"], o["repeat"])
+                                     == (r["sample"], r["method"], r["repeat"])) * rng.uniform(0.97, 1.03)
+        else:
+            r["wall_s"] = next(o["wall_s"] for o in ours if (o["sample"], o["method"], o["repeat"])
+                               == (r["sample"], r["method"], r["repeat"])) * rng.uniform(0.9, 1.1)
+    pairs = run_pairs(ours, theirs)
+    assert set(pairs) == {(f"s{i}", m, b) for i in (0, 1) for m, b in (("full", None), ("snapkv", 64))}
+    snap = [p for key, group in pairs.items() if key[1] == "snapkv" for p in group]
+    logs = np.log([a["wall_s"] / b["wall_s"] for a, b in snap])
+    stats = paired_ratio(snap)
+    assert stats["n"] == 8 and stats["ratio"] == pytest.approx(np.exp(logs.mean()))
+    assert stats["se_factor"] == pytest.approx(np.exp(logs.std(ddof=1) / np.sqrt(8)))
+    assert stats["verdict"] == "faster" and 0.6 < stats["ratio"] < 0.7
+    full = [p for key, group in pairs.items() if key[1] == "full" for p in group]
+    assert paired_ratio(full)["verdict"] == "parity"
+    assert paired_ratio([(theirs[0], ours[0])] * 2)["verdict"] in ("slower", "faster", "parity")
+    assert paired_ratio(full[:1])["se_factor"] is None and paired_ratio([])["n"] == 0
+
+    pooled = pooled_wall(ours, theirs)
+    assert all(stats["n"] == 16 for stats in pooled.values())  # both pairs, 2 samples × 4 repeats each
+    samples = [{"id": f"s{i}", "task": "needle", "length": 300, "answers": ["x"], "eos_ids": [1]}
+               for i in (0, 1)]  # fmt: skip
+    rows = summarise(samples, ours, theirs, tiny_tokenizer())
+    assert {r["method"]: r["wall_paired"]["verdict"] for r in rows} == {"snapkv": "faster", "full": "parity"}
+    text = peer_markdown(PeerConfig(repeats=4), rows, "versions", pooled)
+    assert "(faster, 8 runs)" in text and "(parity, 8 runs)" in text
+    assert "- every pair but h2o: " in text
 
 
 def test_peer_jobs_run_full_once_without_a_budget_and_last() -> None:

@@ -35,6 +35,7 @@ says how.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -287,6 +288,55 @@ def _median_or_none(values: list[float | None]) -> float | None:
     return None if None in values else statistics.median(values)  # type: ignore[type-var]
 
 
+def run_pairs(
+    ours: list[dict[str, Any]], theirs: list[dict[str, Any]]
+) -> dict[tuple[str, str, int | None], list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """Per (sample, method, budget): every (ours, kvpress) pair of runs of the same repeat."""
+    by_key = {(r["sample"], r["method"], r["budget"], r.get("repeat", 0)): r for r in theirs}
+    pairs: dict[tuple[str, str, int | None], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for r in ours:
+        other = by_key.get((r["sample"], r["method"], r["budget"], r.get("repeat", 0)))
+        if other is not None:
+            pairs.setdefault((r["sample"], r["method"], r["budget"]), []).append((r, other))
+    return pairs
+
+
+def paired_ratio(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str = "wall_s") -> dict[str, Any]:
+    """Geometric mean of the run-by-run ratios ours / kvpress of ``key`` with its standard error
+    (of the log ratios, as a factor: the ratio is known to × / ÷ ``se_factor``), and a verdict:
+    ``faster`` / ``slower`` when the ratio is more than two standard errors below / above 1,
+    else ``parity`` (``n``: paired runs; one pair gives no error and no verdict)."""
+    logs = [math.log(a[key] / b[key]) for a, b in pairs if a[key] > 0 and b[key] > 0]
+    if not logs:
+        return {"n": 0, "ratio": None, "se_factor": None, "verdict": None}
+    mean = statistics.mean(logs)
+    if len(logs) < 2:
+        return {"n": 1, "ratio": math.exp(mean), "se_factor": None, "verdict": None}
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    verdict = "faster" if mean + 2 * se < 0 else "slower" if mean - 2 * se > 0 else "parity"
+    return {"n": len(logs), "ratio": math.exp(mean), "se_factor": math.exp(se), "verdict": verdict}
+
+
+#: pairs that run the same algorithm on both sides (the others differ by design, see the docs)
+SAME_ALGORITHM = ("full", "snapkv", "streamingllm", "knorm", "tova")
+
+
+def pooled_wall(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """:func:`paired_ratio` of the wall time over every paired run of the pairs that run the same
+    algorithm on both sides, and over every pair but H2O (kvpress's side needs eager attention)."""
+    pairs = run_pairs(ours, theirs)
+    groups = {
+        f"same algorithm ({', '.join(SAME_ALGORITHM)})": lambda m: m in SAME_ALGORITHM,
+        "every pair but h2o": lambda m: m != "h2o",
+    }
+    out = {}
+    for label, member in groups.items():
+        runs = [p for (_, method, _), group in pairs.items() if member(method) for p in group]
+        if runs:
+            out[label] = paired_ratio(runs)
+    return out
+
+
 def over_repeats(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int | None], dict[str, Any]]:
     """Per (sample, method, budget): the first repeat's row with each of :data:`TIMES` (and of
     :data:`OPTIONAL`, None unless every row has it) replaced by its median over the repeats, plus
@@ -319,8 +369,9 @@ def summarise(
 ) -> list[dict[str, Any]]:
     """Per (task, length, method, budget): accuracy of each side, answers that agree, whether each
     side decoded the same tokens in every repeat, and wall / prefill / decode seconds (sums over
-    the samples of each sample's median over repeats) with their ratios ours / kvpress. Accuracy
-    and answers are the first repeat's."""
+    the samples of each sample's median over repeats) with their ratios ours / kvpress, and
+    ``wall_paired``: the run-by-run wall ratio with its error and verdict (:func:`paired_ratio`).
+    Accuracy and answers are the first repeat's."""
     from kvbudget.eval.tasks import get_task
 
     by_id = {s["id"]: s for s in samples}
@@ -334,6 +385,7 @@ def summarise(
         return float(get_task(sample["task"]).metric(text, sample["answers"]))
 
     theirs_by = over_repeats(theirs)
+    run_by_run = run_pairs(ours, theirs)
     groups: dict[tuple[str, int, str, int | None], list[tuple[dict, dict]]] = {}
     for key, r in over_repeats(ours).items():
         other = theirs_by.get(key)
@@ -368,6 +420,8 @@ def summarise(
         for field_ in ("kept_entries", "allocated_entries"):
             row[f"ours_{field_}"] = statistics.median(a[field_] for a, _ in pairs)
             row[f"kvpress_{field_}"] = statistics.median(b[field_] for _, b in pairs)
+        runs = [p for a, _ in pairs for p in run_by_run.get((a["sample"], method, budget), [])]
+        row["wall_paired"] = paired_ratio(runs)
         rows.append(row)
     return rows
 
@@ -377,7 +431,15 @@ def _row_order(r: dict[str, Any]) -> tuple:
     return r["task"], r["length"], r["method"] != "full", r["method"], r["budget"] or 0
 
 
-def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> str:
+def markdown(
+    config: PeerConfig,
+    rows: list[dict[str, Any]],
+    versions: str,
+    pooled: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    """``peer.md``: the table of ``rows`` (:func:`summarise`), then the ``pooled`` ratios
+    (:func:`pooled_wall`)."""
+
     def identical(r: dict[str, Any], side: str) -> str:
         return "—" if r["repeats"] < 2 else ("yes" if r[f"{side}_deterministic"] else "**NO**")
 
@@ -389,6 +451,11 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
         if mine is None or peer is None:
             return "—"
         return f"{mine:.2f} / {peer:.2f}" + (f" ({mine / peer:.2f})" if peer > 0 else "")
+
+    def paired(stats: dict[str, Any]) -> str:
+        if stats["se_factor"] is None:
+            return "—"
+        return f"{stats['ratio']:.3f} ×/÷ {stats['se_factor']:.3f} ({stats['verdict']}, {stats['n']} runs)"
 
     def seconds(r: dict[str, Any], phase: str) -> str:
         return f"{r[f'ours_{phase}_s']:.1f} / {r[f'kvpress_{phase}_s']:.1f} ({r[f'{phase}_ratio']:.2f})"
@@ -412,14 +479,16 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
         "session's compression; kvpress: its press's `compress`), same sums. "
         "Same tokens over repeats: whether each side decoded identical ids in every repeat. Page "
         "faults: minor faults of each side's runner process during its runs (same sums), memory the "
-        "kernel had to map and zero — an allocator cost that varies with a process's history.",
+        "kernel had to map and zero — an allocator cost that varies with a process's history. "
+        "Wall, run by run: the geometric mean of the paired runs' ratios ours / kvpress ×/÷ its "
+        "standard error; faster / slower when more than two standard errors from 1, else parity.",
         "",
         "| task | length | ours | kvpress | budget | n | accuracy ours / kvpress | Δ samples | same answer "
-        "| same tokens over repeats ours / kvpress | wall s ours / kvpress (ratio) "
+        "| same tokens over repeats ours / kvpress | wall s ours / kvpress (ratio) | wall, run by run "
         "| prefill s ours / kvpress (ratio) | decode s ours / kvpress (ratio) "
         "| compression s ours / kvpress (ratio) | tokens ours / kvpress "
         "| entries kept ours / kvpress | allocated ours / kvpress | page faults ours / kvpress (k) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=_row_order):
         budget = "—" if r["budget"] is None else str(r["budget"])
@@ -429,12 +498,16 @@ def markdown(config: PeerConfig, rows: list[dict[str, Any]], versions: str) -> s
             f"{100 * r['ours_accuracy']:.0f} / {100 * r['kvpress_accuracy']:.0f} | "
             f"{r['accuracy_diff_samples']:+.0f} | {100 * r['same_answer']:.0f}% | "
             f"{identical(r, 'ours')} / {identical(r, 'kvpress')} | {seconds(r, 'wall')} | "
+            f"{paired(r['wall_paired'])} | "
             f"{seconds(r, 'prefill')} | {seconds(r, 'decode')} | {compression(r)} | "
             f"{r['ours_tokens']} / {r['kvpress_tokens']} | "
             f"{r['ours_kept_entries']:.0f} / {r['kvpress_kept_entries']:.0f} | "
             f"{r['ours_allocated_entries']:.0f} / {r['kvpress_allocated_entries']:.0f} | "
             f"{thousands(r['ours_minor_faults'])} / {thousands(r['kvpress_minor_faults'])} |"
         )
+    if pooled:
+        lines += ["", "Wall, run by run, pooled over pairs:"]
+        lines += [f"- {label}: {paired(stats)}" for label, stats in pooled.items()]
     unstable = [
         f"{r['method']}@{r['budget']} ({r['task']} {r['length']}, "
         + " and ".join(s for s in ("ours", "kvpress") if not r[f"{s}_deterministic"]) + ")"
@@ -541,8 +614,9 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     import transformers
 
     versions += transformers.__version__
-    result = {"config": asdict(config), "versions": versions, "rows": rows}
+    pooled = pooled_wall(ours, theirs)
+    result = {"config": asdict(config), "versions": versions, "rows": rows, "pooled_wall": pooled}
     path = out / "peer.json"
     path.write_text(json.dumps(result, indent=1))
-    (out / "peer.md").write_text(markdown(config, rows, versions))
+    (out / "peer.md").write_text(markdown(config, rows, versions, pooled))
     return path

@@ -23,13 +23,11 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from decode_step_overhead import budget_steps, dynamic_steps  # the sibling script's timed loops
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvbudget.attention import attached
-from kvbudget.engine import Prompt, decode_loop, prefill
-from kvbudget.eval.runner import MethodSpec
+from kvbudget.engine import Prompt
 from kvbudget.models import load_model
-from kvbudget.session import CompressionSession
 
 
 def _seconds(fn, reps: int) -> float:
@@ -73,32 +71,6 @@ def shape_twin(config) -> LlamaForCausalLM:
     return LlamaForCausalLM(twin).eval()
 
 
-@torch.inference_mode()
-def dynamic_step(model, ids: torch.Tensor, keep: int | None, steps: int) -> float:
-    """Seconds per decode step with a DynamicCache holding the prompt (or its last ``keep`` tokens)."""
-    prompt = ids if keep is None else ids[:, -keep:]
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token, n = out.logits[:, -1].argmax(-1, keepdim=True), ids.shape[1]
-    start = time.perf_counter()
-    for i in range(steps):
-        pos = torch.tensor([[n + i]])
-        out = model(input_ids=token, position_ids=pos, past_key_values=cache, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-    return (time.perf_counter() - start) / steps
-
-
-@torch.inference_mode()
-def kvbudget_step(model, ids: torch.Tensor, method: str, budget: int, steps: int) -> float:
-    """Seconds per step of the engine's decode loop after a prefill compressed by ``method``."""
-    layers = model.config.num_hidden_layers
-    session = CompressionSession(MethodSpec.parse(method).build(), layers, budget=budget)
-    with attached(model):
-        cache, logits, mask, last = prefill(model, [Prompt(ids[0].tolist(), [])], session, 0)
-        decoded = decode_loop(model, cache, logits, mask, last, set(), steps + 1, trace=False)
-    return decoded.seconds / decoded.steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -122,12 +94,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, twin.config.vocab_size, (1, args.length), generator=generator)
     n, b, steps = args.length, args.budget, args.steps
-    configs = {
-        f"DynamicCache + sdpa, {n} tokens": lambda: dynamic_step(twin, ids, None, steps),
-        f"DynamicCache + sdpa, last {b}": lambda: dynamic_step(twin, ids, b, steps),
-        "kvbudget full": lambda: kvbudget_step(twin, ids, "full", n, steps),
-        f"kvbudget snapkv @{b}": lambda: kvbudget_step(twin, ids, "snapkv", b, steps),
-        f"kvbudget ada-snapkv @{b}": lambda: kvbudget_step(twin, ids, "ada-snapkv", b, steps),
+    prompt = Prompt(ids[0].tolist(), [])
+    configs = {  # a DynamicCache of the last b tokens decodes from position b: RoPE positions cost nothing
+        f"DynamicCache + sdpa, {n} tokens": lambda: dynamic_steps(twin, ids, steps),
+        f"DynamicCache + sdpa, last {b}": lambda: dynamic_steps(twin, ids[:, -b:], steps),
+        "kvbudget full": lambda: budget_steps(twin, prompt, "full", n, steps),
+        f"kvbudget snapkv @{b}": lambda: budget_steps(twin, prompt, "snapkv", b, steps),
+        f"kvbudget ada-snapkv @{b}": lambda: budget_steps(twin, prompt, "ada-snapkv", b, steps),
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.rounds):

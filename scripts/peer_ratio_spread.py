@@ -36,11 +36,28 @@ def paired(run_dir: Path) -> dict[str, list[tuple[dict, dict]]]:
     return pairs
 
 
+def step_parts(pairs: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
+    """The pairs whose rows both time their decode steps (``step_s``, since session 8) and took at
+    least two, as rows of ``first_step_s`` (the first decode forward after the prefill) and
+    ``later_step_s`` (the median of the others)."""
+
+    def parts(row: dict) -> dict:
+        return {"first_step_s": row["step_s"][0], "later_step_s": statistics.median(row["step_s"][1:])}
+
+    timed = [(a, b) for a, b in pairs if min(len(a.get("step_s", ())), len(b.get("step_s", ()))) > 1]
+    return [(parts(a), parts(b)) for a, b in timed]
+
+
 def summary(pairs: list[tuple[dict, dict]]) -> str:
     stats = paired_ratio(pairs)
     se = f"×/÷ {stats['se_factor']:.3f} ({stats['verdict']})" if stats["se_factor"] else "(one run)"
     sums = sum(a["wall_s"] for a, _ in pairs) / sum(b["wall_s"] for _, b in pairs)
     text = f"n={stats['n']:3d}  geo {stats['ratio']:.3f} {se}  sums {sums:.3f}"
+    steps = step_parts(pairs)
+    if steps:
+        first, later = (paired_ratio(steps, key) for key in ("first_step_s", "later_step_s"))
+        text += (f"  decode steps: first {first['ratio']:.3f} ({first['verdict']}),"
+                 f" later (median) {later['ratio']:.3f} ({later['verdict']})")  # fmt: skip
     faults = [(a.get("minor_faults"), b.get("minor_faults")) for a, b in pairs]
     if all(x is not None and y is not None for x, y in faults):
         ours, theirs = (statistics.mean(side) / 1000 for side in zip(*faults, strict=True))

@@ -189,6 +189,7 @@ def test_peer_runs_ours_with_compression_in_the_prefill_only() -> None:
     # the question and 5 decoded tokens stay: a decode-stage method does not trim here
     assert row["final_entries"] == layers * heads * (40 + len(question) + 5)
     assert row["wall_s"] == pytest.approx(row["prefill_s"] + row["decode_s"]) and row["prefill_s"] > 0
+    assert len(row["step_s"]) == 5 and 0 < sum(row["step_s"]) <= row["decode_s"]  # one time per step
 
 
 def test_peer_summary_scores_both_sides_with_our_metric() -> None:

@@ -139,6 +139,7 @@ def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Pat
         for r in rows:
             assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]), name
             assert r["prefill_s"] > 0 and r["decode_s"] > 0
+            assert len(r["step_s"]) == len(r["token_ids"]) - 1 and sum(r["step_s"]) <= r["decode_s"], name
             assert isinstance(r["minor_faults"], int) and r["minor_faults"] >= 0, name
             if r["method"] == "full":  # no press; our session only keeps its books
                 assert r["compress_s"] < 0.05 * r["prefill_s"] and (name == "ours" or r["compress_s"] == 0)

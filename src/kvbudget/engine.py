@@ -337,12 +337,14 @@ class Decoded:
     """Output of :func:`decode_loop`: per row the generated ids, plus step count and time.
 
     ``trace[r]``: row ``r``'s total logical entries after each decode step that fed it a token.
+    ``step_seconds[i]``: wall time of decode step ``i`` (its forward and the choice of its token).
     """
 
     generated: list[list[int]]
     steps: int
     seconds: float
     trace: list[list[int]] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -373,10 +375,12 @@ def decode_loop(
     generated = [[int(t)] for t in token]
     finished = torch.tensor([int(t) in eos for t in token])
     traces: list[list[int]] = [[] for _ in generated]
+    step_seconds: list[float] = []
     steps, start = 0, time.perf_counter()
     for _ in range(max_new_tokens - 1):
         if bool(finished.all()):
             break
+        step_start = time.perf_counter()
         mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
         last_pos = last_pos + 1
         logits = forward_last_logits(model, token[:, None], mask, last_pos[:, None], cache)
@@ -389,7 +393,8 @@ def decode_loop(
                     traces[r].append(entries[r])
                 generated[r].append(t)
                 finished[r] = t in eos
-    return Decoded(generated, steps, time.perf_counter() - start, traces)
+        step_seconds.append(time.perf_counter() - step_start)
+    return Decoded(generated, steps, time.perf_counter() - start, traces, step_seconds)
 
 
 def _row_entries(cache: BudgetCache) -> list[int]:

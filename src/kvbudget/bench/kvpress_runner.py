@@ -14,7 +14,8 @@ Timing, as kvbudget's side measures it: ``prefill_s`` runs from the start to the
 logits (context prefill with compression, plus the question's forward when question-agnostic),
 ``decode_s`` from there to the last token (first token's argmax included), ``wall_s`` is their
 sum; ``context_s`` is the compressed context prefill alone; ``compress_s`` the time spent in the
-press's ``compress`` (scoring, selection, gathering the kept entries), summed over the layers.
+press's ``compress`` (scoring, selection, gathering the kept entries), summed over the layers;
+``step_s`` each decode step's seconds (its forward and the choice of its token).
 Counting the cache's entries is not timed.
 
 ``--serve`` keeps the process: after loading the model (and the warm-up) it prints ``READY``, then
@@ -125,13 +126,16 @@ def run_one(model, sample: dict, job: dict) -> dict:
     token = out.logits[0, -1].argmax()
     generated = [int(token)]
     pos = positions[:, -1:]
+    step_s = []
     for _ in range(sample["max_new_tokens"] - 1):
         if generated[-1] in eos:
             break
+        step_start = time.perf_counter()
         pos = pos + 1
         out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=pos)
         token = out.logits[0, -1].argmax()
         generated.append(int(token))
+        step_s.append(time.perf_counter() - step_start)
     end = time.perf_counter()
     prefill_s = context_s + prefilled - resumed
     for layer in model.model.layers:  # AdaKV leaves its masks on the modules
@@ -139,7 +143,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
     return {
         "sample": sample["id"], "method": job["method"], "budget": job["budget"], "token_ids": generated,
         "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
-        "context_s": context_s, "compress_s": compress_s[0], "kept_entries": kept,
+        "context_s": context_s, "compress_s": compress_s[0], "step_s": step_s, "kept_entries": kept,
         "allocated_entries": allocated,
     }  # fmt: skip
 

@@ -187,7 +187,7 @@ def run_ours(
     return {
         "sample": sample["id"], "method": method, "budget": budget, "token_ids": decoded.generated[0],
         "prefill_s": prefill_s, "decode_s": decode_s, "wall_s": prefill_s + decode_s,
-        "compress_s": session.compress_seconds,
+        "compress_s": session.compress_seconds, "step_s": decoded.step_seconds,
         "kept_entries": stats.logical_bytes // entry - question,
         "allocated_entries": stats.physical_bytes // entry - question,
         "final_entries": final.logical_bytes // entry,

@@ -42,13 +42,11 @@ def _assert_holds(layer: BudgetLayer, keys: list, values: list) -> None:
 
 def test_decode_steps_append_in_place_and_account_the_room():
     layer, keys, values = _filled(40)
-    assert layer.physical_bytes() == 2 * B * H * 40 * D * 4  # a prefill is stored exactly
-    _append(layer, keys, values, 1)  # the first step grows the storage with room
     storage = layer._storage.keys.data_ptr()
     capacity = layer._storage.capacity
-    assert capacity == 41 + 32
+    assert capacity == 40 + 32  # a prefill gets room for the decode steps that follow it
     assert layer.physical_bytes() == 2 * B * H * capacity * D * 4  # the room is allocated memory
-    for step in range(2, capacity - 40 + 1):  # fills the storage exactly
+    for step in range(1, capacity - 40 + 1):  # fills the storage exactly
         _append(layer, keys, values, step)
         assert layer._storage.keys.data_ptr() == storage  # no copy while the room lasts
     _assert_holds(layer, keys, values)
@@ -184,3 +182,19 @@ def test_compression_frees_the_storage_of_the_uncompressed_layer():
     layer.keep([[torch.arange(2)] * H for _ in range(B)])  # back to rectangular
     gc.collect()
     assert per_head() is None and all(ref() is None for ref in head_storage)
+
+
+def test_the_prefill_gets_room_unless_the_session_compresses_it_right_after():
+    from kvbudget.cache import BudgetCache
+    from kvbudget.methods.registry import make_method
+    from kvbudget.session import CompressionSession
+
+    def first_fill(method: str | None) -> int:
+        cache = BudgetCache(1)
+        if method is not None:
+            cache.session = CompressionSession(make_method(method), 1, budget=8)
+        cache.update(*_kv(40, 0), 0)
+        return cache.layers[0]._storage.capacity
+
+    assert first_fill(None) == first_fill("full") == 40 + 32  # decoding follows: room
+    assert first_fill("snapkv") == 40  # about to be compressed: no room to drop again

@@ -97,18 +97,23 @@ class _Storage:
         storage: _Storage | None,
         old: Views,
         new: Views,
+        first_fill_room: bool = True,
     ) -> tuple[_Storage, Views]:
         """Append ``new`` (keys, values, positions) after ``old`` (views ``layer`` holds), in place
         when ``storage`` is ``layer``'s own and has room; returns the storage and the new views.
 
-        Storage is sized exactly for the first append after the tensors were replaced (a prefill,
-        a compression); an append that does not fit storage the layer filled itself grows it by
-        ``max(32, n / 16)`` slots of slack, so decoding copies only every few dozen tokens.
+        An append that does not fit storage the layer filled itself grows it by ``max(32, n / 16)``
+        slots of room, so decoding copies only every few dozen tokens; so does a layer's first fill
+        (the prefill) when ``first_fill_room``, so that an uncompressed layer's first decode step
+        does not copy the whole prompt (the cache turns it off while a session compresses in the
+        prefill: that storage is dropped right after). The first append after a compression
+        replaced the tensors is sized exactly (the copy is of the kept entries only).
         """
         n, q = old[0].shape[-2], new[0].shape[-2]
         ours = storage is not None and storage.owned_by(layer, old)
         if not (ours and n + q <= storage.capacity):
-            storage_ = _Storage.like(layer, new[0], new[1], n + q + (max(32, (n + q) // 16) if ours else 0))
+            room = max(32, (n + q) // 16) if ours or (n == 0 and first_fill_room) else 0
+            storage_ = _Storage.like(layer, new[0], new[1], n + q + room)
             storage_.write(0, *old)
             storage = storage_
         storage.write(n, *new)
@@ -186,6 +191,7 @@ class BudgetLayer(DynamicLayer):
         New entries get positions ``seen .. seen + q − 1``, unless the prune stage passes
         ``slots=[batch, q]`` (the tokens' slots in the prompt, ``-1`` for pads) and ``seen`` (the
         logical length after them): deeper layers of a pruned prefill see fewer tokens than the prompt.
+        ``first_fill_room=False`` stores a first fill exactly (see :meth:`_Storage.append`).
 
         Returns the rectangular keys and values (what any attention function expects). In the
         per-head layout there is no rectangular tensor: empty placeholders are returned, and only
@@ -208,12 +214,15 @@ class BudgetLayer(DynamicLayer):
                 self.state[name] = [torch.cat([s, s.new_zeros(b, q)], dim=1) for s in per_head]
             empty = key_states.new_empty((b, h, 0, key_states.shape[-1]))
             return empty, empty
-        self._append_rectangular(key_states, value_states, new_pos[:, None, :].expand(b, h, q))
+        positions = new_pos[:, None, :].expand(b, h, q)
+        self._append_rectangular(key_states, value_states, positions, kwargs.get("first_fill_room", True))
         for name, s in self.state.items():
             self.state[name] = torch.cat([s, s.new_zeros(b, h, q)], dim=-1)
         return self.keys, self.values
 
-    def _append_rectangular(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def _append_rectangular(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, first_fill_room: bool = True
+    ) -> None:
         """Append ``[b, h, q, d]`` keys/values and ``[b, h, q]`` positions to the rectangular layout.
 
         The layer's tensors are views of storage it owns (:class:`_Storage`) with room to append in
@@ -223,7 +232,7 @@ class BudgetLayer(DynamicLayer):
         """
         old = (self.keys, self.values, self.positions)
         self._storage, (self.keys, self.values, self.positions) = _Storage.append(
-            self, self._storage, old, (keys, values, positions)
+            self, self._storage, old, (keys, values, positions), first_fill_room
         )
 
     def _append_per_head(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -578,11 +587,13 @@ class BudgetCache(Cache):
                 "this BudgetCache holds per-head budgets, which only the kvbudget attention can read: "
                 "call kvbudget.attach(model) first"
             )
+        # room to decode into, unless the session is about to compress (and drop) this storage
+        room = self.session is None or not self.session.method.stages
         if self.pruned_slots is None:
-            out = layer.update(key_states, value_states)
+            out = layer.update(key_states, value_states, first_fill_room=room)
         else:
             slots, seen = self.pruned_slots
-            out = layer.update(key_states, value_states, slots=slots, seen=seen)
+            out = layer.update(key_states, value_states, slots=slots, seen=seen, first_fill_room=room)
         self.note_memory(layer_idx)
         return out
 

@@ -198,3 +198,19 @@ def test_the_prefill_gets_room_unless_the_session_compresses_it_right_after():
 
     assert first_fill(None) == first_fill("full") == 40 + 32  # decoding follows: room
     assert first_fill("snapkv") == 40  # about to be compressed: no room to drop again
+
+
+def test_storage_filled_in_inference_mode_is_copied_not_written_outside_it():
+    layer = BudgetLayer()
+    k, v = _kv(40, 0)
+    with torch.inference_mode():  # as kvbudget.compress prefills
+        layer.update(k, v)
+    prefill_storage = layer._storage.keys
+    keys, values = [k], [v]
+    with torch.no_grad():  # a caller decoding on outside inference mode
+        _append(layer, keys, values, 1)
+        assert not layer._storage.keys.is_inference() and layer._storage.keys is not prefill_storage
+        storage = layer._storage.keys.data_ptr()
+        _append(layer, keys, values, 2)  # the copy has room: in place again
+        assert layer._storage.keys.data_ptr() == storage
+    _assert_holds(layer, keys, values)

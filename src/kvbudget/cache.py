@@ -107,11 +107,14 @@ class _Storage:
         (the prefill) when ``first_fill_room``, so that an uncompressed layer's first decode step
         does not copy the whole prompt (the cache turns it off while a session compresses in the
         prefill: that storage is dropped right after). The first append after a compression
-        replaced the tensors is sized exactly (the copy is of the kept entries only).
+        replaced the tensors is sized exactly (the copy is of the kept entries only). Storage
+        allocated under ``torch.inference_mode`` is read-only outside it (``kvbudget.compress``
+        prefills in inference mode; a caller may decode under ``no_grad``): such an append copies.
         """
         n, q = old[0].shape[-2], new[0].shape[-2]
         ours = storage is not None and storage.owned_by(layer, old)
-        if not (ours and n + q <= storage.capacity):
+        writable = ours and (torch.is_inference_mode_enabled() or not storage.keys.is_inference())
+        if not (writable and n + q <= storage.capacity):
             room = max(32, (n + q) // 16) if ours or (n == 0 and first_fill_room) else 0
             storage_ = _Storage.like(layer, new[0], new[1], n + q + room)
             storage_.write(0, *old)

@@ -441,3 +441,26 @@ def test_peer_question_aware_compresses_the_question_too() -> None:
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert row["kept_entries"] == row["allocated_entries"] == layers * heads * 40
     assert row["final_entries"] == layers * heads * (40 + 5)  # the question was compressed with the context
+
+
+def test_kvpress_runner_refuses_presses_on_a_transformers_they_do_not_support(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make peer-same-transformers` forces our transformers (≥ 5.3) under kvpress 0.5.5: only the
+    `full` pair may run there; a press job is refused in one line before the model loads."""
+    import sys
+    import types
+
+    import transformers
+
+    from kvbudget.bench import kvpress_runner
+
+    assert tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 3)  # the main env's
+    monkeypatch.setitem(sys.modules, "kvpress", types.ModuleType("kvpress"))
+    jobs = make_jobs(PeerConfig(methods=["full", "snapkv"], budgets=[64]))
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    (tmp_path / "samples.jsonl").write_text("")
+    args = ["--model", str(tmp_path / "no-model"), "--samples", str(tmp_path / "samples.jsonl")]
+    code = kvpress_runner.main([*args, "--jobs", str(tmp_path / "jobs.json"), "--serve"])
+    err = capsys.readouterr().err
+    assert code == 2 and "need transformers < 5.3" in err and "snapkv" in err and "full" in err

@@ -230,15 +230,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required unless --serve")
 
     import kvpress  # noqa: F401  (fails early when the peer environment is broken)
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    with open(args.jobs) as fh:
+        jobs = json.load(fh)
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    pressed = sorted({job["method"] for job in jobs if job.get("press") is not None})
+    if (major, minor) >= (5, 3) and pressed:  # its presses' hooks read kwargs newer releases dropped
+        print(f"error: kvpress 0.5.5's presses need transformers < 5.3, this environment has "
+              f"{transformers.__version__}: only the `full` pair (no press) runs here, "
+              f"not {', '.join(pressed)}", file=sys.stderr)  # fmt: skip
+        return 2
 
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), local_files_only=True
     ).eval()
     with open(args.samples) as fh:
         samples = [json.loads(line) for line in fh if line.strip()]
-    with open(args.jobs) as fh:
-        jobs = json.load(fh)
 
     def run(sample: dict, job: dict) -> dict:
         return run_one(model, sample, job)

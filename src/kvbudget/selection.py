@@ -38,16 +38,37 @@ def select_keep(
         ``keep[r][h]``: sorted 1-D int64 slot indices.
 
     Exact ties (max pooling copies one value to its neighbours) go to the earlier slot, so the
-    choice does not depend on padding or on the sort kernel.
+    choice does not depend on padding or on the sort kernel: the kept set is what a stable
+    descending sort's first ``budgets[r, h]`` would be, found without sorting all ``n`` entries —
+    ``topk`` gives each head's threshold (its ``budgets[r, h]``-th best score), every entry above it
+    is kept and the earliest entries equal to it fill the rest (cheaper than sorting every entry,
+    which decode-stage methods would pay every step). NaN scores fall back to the stable sort.
     """
     s = scores.float().masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
     counts = torch.minimum(budgets.long(), valid.sum(-1))
     keep: list[list[torch.Tensor]] = []
     for r in range(s.shape[0]):
         k_max = int(counts[r].max())
-        top = torch.sort(s[r], dim=-1, descending=True, stable=True).indices[:, :k_max]  # best first
-        keep.append([top[h, : int(counts[r, h])].sort().values for h in range(s.shape[1])])
+        if k_max == 0:
+            keep.append([s.new_empty(0, dtype=torch.long) for _ in range(s.shape[1])])
+        elif bool(s[r].isnan().any()):
+            top = torch.sort(s[r], dim=-1, descending=True, stable=True).indices[:, :k_max]  # best first
+            keep.append([top[h, : int(counts[r, h])].sort().values for h in range(s.shape[1])])
+        else:
+            keep.append(_top_by_threshold(s[r], counts[r], k_max))
     return keep
+
+
+def _top_by_threshold(s: torch.Tensor, counts: torch.Tensor, k_max: int) -> list[torch.Tensor]:
+    """Per head of ``s: [kv_heads, n]`` (no NaN) the ascending slots of its ``counts[h]`` best
+    entries, ties to the earlier slot; ``1 ≤ k_max = counts.max() ≤ n``."""
+    best = torch.topk(s, k_max, dim=-1).values  # [kv_heads, k_max], descending
+    threshold = best.gather(-1, (counts - 1).clamp(min=0)[:, None])
+    above = s > threshold
+    tied = s == threshold
+    room = (counts - above.sum(-1))[:, None]  # how many of the tied entries fit
+    mask = (above | (tied & (tied.cumsum(-1) <= room))) & (counts > 0)[:, None]
+    return [mask[h].nonzero().flatten() for h in range(s.shape[0])]
 
 
 def keep_within_limits(

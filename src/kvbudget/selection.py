@@ -67,7 +67,7 @@ def _top_by_threshold(s: torch.Tensor, counts: torch.Tensor, k_max: int) -> list
     above = s > threshold
     tied = s == threshold
     room = (counts - above.sum(-1))[:, None]  # how many of the tied entries fit
-    mask = (above | (tied & (tied.cumsum(-1) <= room))) & (counts > 0)[:, None]
+    mask = above | (tied & (tied.cumsum(-1) <= room))  # a head with count 0: nothing above, room 0
     return [mask[h].nonzero().flatten() for h in range(s.shape[0])]
 
 

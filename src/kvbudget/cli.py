@@ -71,6 +71,16 @@ def methods() -> None:
         defaults = ", ".join(f"{k}={v}" for k, v in method.options().items())
         table.add_row(name, "+".join(cls.stages) or "-", cls.paper, defaults)
     console.print(table)
+    from kvbudget.methods.presets import PRESET_SOURCES, PRESETS
+
+    presets = Table(title="papers' comparison settings: write method@preset")
+    for column in ("preset", "method", "options", "source"):
+        presets.add_column(column)
+    for preset, entries in PRESETS.items():
+        for name, options in entries.items():
+            settings = ", ".join(f"{k}={v}" for k, v in options.items())
+            presets.add_row(preset, name, settings, PRESET_SOURCES.get(preset, ""))
+    console.print(presets)
 
 
 @app.command()

@@ -173,9 +173,11 @@ def plot_budget_maps(rows: list[dict], path: Path) -> bool:
 
 
 def _is_prune_method(name: str) -> bool:
+    from kvbudget.methods.presets import split_preset
     from kvbudget.methods.registry import REGISTRY
 
-    return name in REGISTRY and "prune" in REGISTRY[name].stages
+    base = split_preset(name.partition(":")[0])[0]
+    return base in REGISTRY and "prune" in REGISTRY[base].stages
 
 
 def selection_layer_table(rows: list[dict]) -> list[str]:

@@ -21,6 +21,7 @@ from kvbudget.methods.h2o import H2O
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
+from kvbudget.methods.presets import preset_options, split_preset
 from kvbudget.methods.pyramidinfer import PyramidInfer
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
@@ -76,8 +77,9 @@ def method_names() -> list[str]:
 
 
 def method_class(name: str) -> type[Method]:
+    """The class registered under ``name`` (a ``@preset`` suffix is ignored)."""
     try:
-        return REGISTRY[name]
+        return REGISTRY[split_preset(name)[0]]
     except KeyError:
         raise UnknownMethodError(f"unknown method '{name}': expected one of {', '.join(REGISTRY)}") from None
 
@@ -108,8 +110,12 @@ def make_method(name: str, **options: Any) -> Method:
     """Build a fresh method object with non-default options, validated.
 
     Example: ``make_method("snapkv", window=64, kernel=5, pooling="avg")``. String values are
-    converted to the option's type (for the CLI's ``--opt key=value``).
+    converted to the option's type (for the CLI's ``--opt key=value``). ``name@preset`` applies a
+    paper's comparison settings first (:mod:`kvbudget.methods.presets`); ``options`` override them.
     """
+    base, preset = preset_options(name)
+    options = {**preset, **options}
+    name = base
     cls = method_class(name)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - set(fields))

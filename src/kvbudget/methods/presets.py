@@ -17,10 +17,15 @@ from typing import Any
 from kvbudget.errors import UnknownMethodError
 
 #: preset → method → options (the comparing paper's settings for that baseline)
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {}
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # --- asl: ASL's comparison settings (entries below) ---
+    # --- lava: LAVa's Appendix D settings (entries below) ---
+}
 
 #: preset → where its settings come from (shown by ``kvbudget methods``)
-PRESET_SOURCES: dict[str, str] = {}
+PRESET_SOURCES: dict[str, str] = {
+    # --- sources (one line per preset) ---
+}
 
 
 def split_preset(name: str) -> tuple[str, str | None]:

@@ -2,22 +2,50 @@
 
 Writes ``DIR/report.md`` with, per task, a methods × budgets table of the task score (×100),
 retention (score on the samples the full cache solves, i.e. full-cache score ≥ 0.5) and fidelity
-(greedy agreement with the full cache, KL(full ‖ method)); and PNGs: score vs budget per task,
-needle heatmaps (length × depth) per method and budget, and per-layer/per-head budget maps; for
-prune-stage methods, the distribution of the selection layer per task (table and histogram).
+(greedy agreement with the full cache, KL(full ‖ method)). Every such number comes with its 95 %
+percentile-bootstrap interval over samples (:mod:`kvbudget.eval.intervals`), written
+``mean [low, high]``; retention, agreement and KL pool a method's budgets, so they first average
+each sample over the budgets and resample those per-sample means.
+
+Budgets are columns ``B=64`` (entries per KV head) or ``r=0.75`` (a compression ratio as kvpress
+defines it, the fraction of the compressed tokens removed: rows of ``kvbudget eval
+--compression-ratios``, whose entries per head vary with each sample's length). Rows written before
+ratios existed carry no ``compression_ratio`` and read as budget rows.
+
+Across tasks (perplexity tasks left out: another scale and direction): per budget or ratio, each
+method's rank on each task by mean score (1 = best, ties share their mean rank) and its mean rank
+over the tasks; and the mean score over tasks, each task weighing the same, with a stratified
+bootstrap interval (samples resampled within each task, tasks fixed) — a table and a
+score-vs-compression plot with one line per method. Only methods with scores on every task of a
+column are ranked and averaged there; the full cache is the reference line, not ranked.
+
+PNGs: score vs budget (and vs ratio) per task with the intervals as error bars, needle heatmaps
+(length × depth) per method and budget, per-layer/per-head budget maps; for prune-stage methods,
+the distribution of the selection layer per task (table and histogram).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 from kvbudget.errors import KVBudgetError
+from kvbudget.eval.intervals import (
+    DEFAULT_RESAMPLES,
+    Interval,
+    bootstrap_mean,
+    bootstrap_mean_over_groups,
+)
 from kvbudget.eval.store import load_rows
 
 SOLVED = 0.5
+
+#: A table column: ``("B", entries per KV head)`` or ``("r", compression ratio)``.
+Column = tuple[str, float]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -29,6 +57,19 @@ def _fmt(value: float | None, scale: float = 100.0, digits: int = 1) -> str:
     return "–" if value is None else f"{value * scale:.{digits}f}"
 
 
+def _cell(interval: Interval | None, scale: float = 100.0, digits: int = 1) -> str:
+    """``mean [low, high]`` scaled, or ``–`` without values."""
+    if interval is None:
+        return "–"
+    low, high = _fmt(interval.low, scale, digits), _fmt(interval.high, scale, digits)
+    return f"{_fmt(interval.mean, scale, digits)} [{low}, {high}]"
+
+
+def _interval(values: list[float | None], resamples: int = DEFAULT_RESAMPLES) -> Interval | None:
+    values = [v for v in values if v is not None]
+    return bootstrap_mean(values, resamples=resamples) if values else None
+
+
 def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
@@ -36,72 +77,294 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-def _budget_label(budget: Any) -> str:
-    return "all" if budget is None else str(budget)
+def _group_by(rows: list[dict], key: Callable[[dict], Hashable]) -> dict[Any, list[dict]]:
+    groups: dict[Any, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[key(row)].append(row)
+    return groups
 
 
-def perplexity_table(rows: list[dict]) -> list[str]:
-    """Markdown lines: methods × budgets of mean perplexity (lower is better)."""
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-    lines = ["| method | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+def _column(row: dict) -> Column | None:
+    """The row's column: its compression ratio, else its budget; ``None`` for the full cache."""
+    ratio = row.get("compression_ratio")
+    if ratio is not None:
+        return ("r", float(ratio))
+    return None if row.get("budget") is None else ("B", row["budget"])
+
+
+def _column_label(column: Column | None) -> str:
+    if column is None:
+        return "all"
+    kind, value = column
+    return f"B={value}" if kind == "B" else f"r={value:g}"
+
+
+def _columns(rows: list[dict]) -> list[Column]:
+    """The rows' columns: budgets ascending, then ratios ascending."""
+    return sorted({c for r in rows if (c := _column(r)) is not None})
+
+
+def _most_compressed(columns: list[Column]) -> Column:
+    """The smallest budget, or without budgets the largest ratio."""
+    budgets = [c for c in columns if c[0] == "B"]
+    return min(budgets) if budgets else max(columns)
+
+
+def _is_full(rows: list[dict]) -> bool:
+    return all(_column(r) is None for r in rows)
+
+
+def _per_sample(rows: list[dict], name: str, keep: Callable[[dict], bool] = lambda r: True) -> list[float]:
+    """One value per sample: the mean of ``name`` over the sample's rows (its budgets) kept by ``keep``."""
+    by_sample = _group_by(
+        [r for r in rows if keep(r) and r.get(name) is not None],
+        lambda r: (r.get("model"), r["task"], r["length"], r["sample"]),
+    )
+    return [mean(r[name] for r in mine) for mine in by_sample.values()]
+
+
+def _counts(counts: list[int]) -> str:
+    return (
+        "–"
+        if not counts
+        else str(min(counts))
+        if min(counts) == max(counts)
+        else f"{min(counts)}–{max(counts)}"
+    )
+
+
+def perplexity_table(rows: list[dict], resamples: int = DEFAULT_RESAMPLES) -> list[str]:
+    """Markdown lines: methods × budgets of mean perplexity (lower is better) with intervals."""
+    columns = _columns(rows) or [None]
+    lines = [
+        "| method | " + " | ".join(_column_label(c) for c in columns) + " | n |",
+        "|---|" + "---|" * (len(columns) + 1),
+    ]
     for (label,), mine in _group(rows, "label").items():
-        cells = [
-            _fmt(_mean([r["score"] for r in mine if r["budget"] in (b, None)]), 1, 2) if mine else "–"
-            for b in budgets
-        ]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        cells, counts = [], []
+        for column in columns:
+            scores = [r["score"] for r in mine if _column(r) in (column, None)]
+            cells.append(_cell(_interval(scores, resamples), 1, 2))
+            counts += [len(scores)] if scores else []
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {_counts(counts)} |")
     return lines
 
 
-def task_table(rows: list[dict]) -> list[str]:
-    """Markdown lines: methods × budgets of mean score, with retention and fidelity columns."""
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+def task_table(rows: list[dict], resamples: int = DEFAULT_RESAMPLES) -> list[str]:
+    """Markdown lines: methods × budgets of mean score with intervals, the samples per cell (n),
+    and retention and fidelity columns pooled over the method's budgets."""
+    columns = _columns(rows) or [None]
     labels = list(dict.fromkeys(r["label"] for r in rows))
     lines = [
-        "| method | " + " | ".join(f"B={b}" for b in budgets) + " | retention | agreement | KL |",
-        "|---|" + "---|" * (len(budgets) + 3),
+        "| method | " + " | ".join(_column_label(c) for c in columns) + " | n | retention | agreement | KL |",
+        "|---|" + "---|" * (len(columns) + 4),
     ]
     for label in labels:
         mine = [r for r in rows if r["label"] == label]
-        if all(r["budget"] is None for r in mine):  # full cache: one number
-            cells = [_fmt(_mean([r["score"] for r in mine]))] * len(budgets) or ["–"]
+        if _is_full(mine):  # full cache: one number
+            scores = [r["score"] for r in mine]
+            cells, counts = [_cell(_interval(scores, resamples))] * len(columns), [len(scores)]
         else:
-            cells = []
-            for budget in budgets:
-                scores = [r["score"] for r in mine if r["budget"] == budget]
-                cells.append(f"{_fmt(_mean(scores))} ({len(scores)})" if scores else "–")
-        solved = [r["score"] for r in mine if (r.get("full_score") or 0) >= SOLVED]
+            cells, counts = [], []
+            for column in columns:
+                scores = [r["score"] for r in mine if _column(r) == column]
+                cells.append(_cell(_interval(scores, resamples)))
+                counts += [len(scores)] if scores else []
+        solved = _per_sample(mine, "score", lambda r: (r.get("full_score") or 0) >= SOLVED)
         lines.append(
-            f"| {label} | " + " | ".join(cells) + f" | {_fmt(_mean(solved))} "
-            f"| {_fmt(_mean([r.get('agreement') for r in mine]))} "
-            f"| {_fmt(_mean([r.get('kl') for r in mine]), 1, 3)} |"
+            f"| {label} | " + " | ".join(cells) + f" | {_counts(counts)} "
+            f"| {_cell(_interval(solved, resamples))} "
+            f"| {_cell(_interval(_per_sample(mine, 'agreement'), resamples))} "
+            f"| {_cell(_interval(_per_sample(mine, 'kl'), resamples), 1, 3)} |"
         )
     return lines
 
 
-def plot_score_vs_budget(rows: list[dict], task: str, path: Path) -> None:
+# ---------------------------------------------------------------------------------------- across tasks
+
+
+@dataclass
+class AcrossTasks:
+    """Scores averaged and ranked over tasks, per column (see the module docstring).
+
+    ``scores[column][label]``: mean over the column's tasks of the label's mean score, with its
+    stratified bootstrap interval (the full cache's at every column); ``ranks[column][label]``:
+    mean rank over those tasks (1 = best); ``left_out[column]``: labels without a score on every
+    task of the column; ``reference[label]``: a full-cache label's mean over all tasks.
+    """
+
+    tasks: dict[Column, list[str]] = field(default_factory=dict)
+    scores: dict[Column, dict[str, Interval]] = field(default_factory=dict)
+    ranks: dict[Column, dict[str, float]] = field(default_factory=dict)
+    left_out: dict[Column, list[str]] = field(default_factory=dict)
+    reference: dict[str, Interval] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> list[Column]:
+        return sorted(self.tasks)
+
+
+def average_ranks(scores: dict[str, float]) -> dict[str, float]:
+    """Rank 1 for the highest score; tied scores (equal to 12 decimals) share their mean rank."""
+    ordered = sorted(scores, key=lambda label: -scores[label])
+    ranks: dict[str, float] = {}
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and round(scores[ordered[end + 1]], 12) == round(
+            scores[ordered[start]], 12
+        ):
+            end += 1
+        for label in ordered[start : end + 1]:
+            ranks[label] = (start + 1 + end + 1) / 2
+        start = end + 1
+    return ranks
+
+
+def across_tasks(rows: list[dict], resamples: int = DEFAULT_RESAMPLES) -> AcrossTasks:
+    """Mean scores (with intervals) and mean ranks over the non-perplexity tasks, per column."""
+    rows = [r for r in rows if r["metric"] != "perplexity" and r.get("score") is not None]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    full = [label for label in labels if _is_full([r for r in rows if r["label"] == label])]
+    scores: dict[tuple[str, str, Column | None], list[float]] = defaultdict(list)
+    for row in rows:
+        scores[(row["task"], row["label"], _column(row))].append(row["score"])
+    result = AcrossTasks()
+    for label in full:
+        tasks = sorted({t for t, lab, _ in scores if lab == label})
+        groups = [scores[(t, label, None)] for t in tasks]
+        result.reference[label] = bootstrap_mean_over_groups(groups, resamples=resamples)
+    for column in _columns(rows):
+        tasks = sorted({t for t, _, c in scores if c == column})
+        candidates = [lab for lab in labels if any((t, lab, column) in scores for t in tasks)]
+        complete = [lab for lab in candidates if all((t, lab, column) in scores for t in tasks)]
+        result.tasks[column] = tasks
+        result.left_out[column] = [lab for lab in candidates if lab not in complete]
+        cell: dict[str, Interval] = {}
+        for label in full:
+            if all((t, label, None) in scores for t in tasks):
+                groups = [scores[(t, label, None)] for t in tasks]
+                cell[label] = bootstrap_mean_over_groups(groups, resamples=resamples)
+        for label in complete:
+            groups = [scores[(t, label, column)] for t in tasks]
+            cell[label] = bootstrap_mean_over_groups(groups, resamples=resamples)
+        result.scores[column] = cell
+        per_task = [average_ranks({lab: mean(scores[(t, lab, column)]) for lab in complete}) for t in tasks]
+        result.ranks[column] = {lab: mean(ranks[lab] for ranks in per_task) for lab in complete}
+    return result
+
+
+def across_tasks_tables(summary: AcrossTasks) -> list[str]:
+    """Markdown lines: mean rank over tasks, then mean score over tasks with intervals."""
+    columns = summary.columns
+    if not columns:
+        return []
+    header = "| method | " + " | ".join(_column_label(c) for c in columns) + " |"
+    rule = "|---|" + "---|" * len(columns)
+    ranked = list(dict.fromkeys(lab for c in columns for lab in summary.ranks[c]))
+    ranked.sort(key=lambda lab: mean(summary.ranks[c][lab] for c in columns if lab in summary.ranks[c]))
+    lines = ["### Mean rank over tasks (1 = best)", "", header, rule]
+    for label in ranked:
+        cells = [_fmt(summary.ranks[c].get(label), 1, 2) for c in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    sizes = [f"{len(summary.ranks[c])} on {len(summary.tasks[c])}" for c in columns]
+    lines.append("| *methods ranked on tasks* | " + " | ".join(sizes) + " |")
+    lines += ["", "### Mean score over tasks (each task weighs the same)", "", header, rule]
+    labels = list(summary.reference) + ranked
+    for label in labels:
+        cells = [_cell(summary.scores[c].get(label)) for c in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    left = {lab for c in columns for lab in summary.left_out[c]}
+    if left:
+        lines += ["", "Not ranked where a task lacks their scores: " + ", ".join(sorted(left)) + "."]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------- plots
+
+
+def _draw_score_lines(
+    lines: dict[str, list[tuple[float, Interval]]],
+    references: dict[str, Interval],
+    kind: str,
+    title: str,
+    path: Path,
+) -> None:
+    """Score (×100) vs budget (``kind`` ``B``, log axis) or ratio (``r``): one line per label with
+    its intervals as error bars; reference labels as a dashed line over a band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, mine in _group(rows, "label").items():
-        mine_budgets = sorted({r["budget"] for r in mine if r["budget"] is not None})
-        if not mine_budgets:
-            ax.axhline(100 * _mean([r["score"] for r in mine]), color="black", linestyle="--", label=label[0])
-            continue
-        ys = [100 * _mean([r["score"] for r in mine if r["budget"] == b]) for b in mine_budgets]
-        ax.plot(mine_budgets, ys, marker="o", label=label[0])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (entries per KV head)")
-    ax.set_ylabel("score")
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>ph*"
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for label, interval in references.items():
+        ax.axhline(100 * interval.mean, color="black", linestyle="--", label=label)
+        ax.axhspan(100 * interval.low, 100 * interval.high, color="black", alpha=0.08, linewidth=0)
+    for i, (label, points) in enumerate(lines.items()):
+        xs = [x for x, _ in points]
+        ys = [100 * iv.mean for _, iv in points]
+        errors = [[y - 100 * iv.low for y, (_, iv) in zip(ys, points, strict=True)],
+                  [100 * iv.high - y for y, (_, iv) in zip(ys, points, strict=True)]]  # fmt: skip
+        ax.errorbar(
+            xs, ys, yerr=errors, label=label, color=colors[i % len(colors)], marker=markers[i % len(markers)],
+            linestyle="-" if i < len(colors) else ":", capsize=2, markersize=4, linewidth=1.2,
+        )  # fmt: skip
+    if kind == "B":
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (entries per KV head)")
+    else:
+        ax.set_xlabel("compression ratio (fraction of the compressed tokens removed, as kvpress)")
+    ax.set_ylabel("score (95% bootstrap interval)")
     ax.set_ylim(-5, 105)
-    ax.set_title(task)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.set_title(title)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def plot_score_vs_budget(
+    rows: list[dict], task: str, path: Path, kind: str = "B", resamples: int = DEFAULT_RESAMPLES
+) -> bool:
+    """One task's score vs budget (``kind="B"``) or compression ratio (``"r"``) with intervals;
+    ``False`` (nothing written) when no row has that kind of column."""
+    lines: dict[str, list[tuple[float, Interval]]] = {}
+    references: dict[str, Interval] = {}
+    for (label,), mine in _group(rows, "label").items():
+        if _is_full(mine):
+            references[label] = bootstrap_mean([r["score"] for r in mine], resamples=resamples)
+            continue
+        points = []
+        for column in _columns(mine):
+            if column[0] == kind:
+                scores = [r["score"] for r in mine if _column(r) == column]
+                points.append((column[1], bootstrap_mean(scores, resamples=resamples)))
+        if points:
+            lines[label] = points
+    if not lines:
+        return False
+    _draw_score_lines(lines, references, kind, task, path)
+    return True
+
+
+def plot_across_tasks(summary: AcrossTasks, kind: str, path: Path) -> bool:
+    """Mean score over tasks vs budget (``kind="B"``) or ratio (``"r"``), one line per method, with
+    the stratified bootstrap intervals; ``False`` when no column has that kind."""
+    lines: dict[str, list[tuple[float, Interval]]] = defaultdict(list)
+    for column in summary.columns:
+        if column[0] != kind:
+            continue
+        for label, interval in summary.scores[column].items():
+            if label not in summary.reference:
+                lines[label].append((column[1], interval))
+    if not lines:
+        return False
+    tasks = sorted({t for c in summary.columns if c[0] == kind for t in summary.tasks[c]})
+    title = f"mean over {len(tasks)} tasks"
+    _draw_score_lines(dict(lines), summary.reference, kind, title, path)
+    return True
 
 
 def plot_needle_heatmaps(rows: list[dict], path: Path) -> bool:
@@ -115,7 +378,7 @@ def plot_needle_heatmaps(rows: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    panels = list(_group(rows, "label", "budget").items())
+    panels = list(_group_by(rows, lambda r: (r["label"], _column(r))).items())
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["meta"]["depth"] for r in rows})
     cols = min(4, len(panels))
@@ -123,7 +386,7 @@ def plot_needle_heatmaps(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols, 2.4 * nrows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, ((label, budget), mine) in zip(axes.flat, panels, strict=False):
+    for ax, ((label, column), mine) in zip(axes.flat, panels, strict=False):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for i, depth in enumerate(depths):
             for j, length in enumerate(lengths):
@@ -134,7 +397,7 @@ def plot_needle_heatmaps(rows: list[dict], path: Path) -> bool:
         ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_title(f"{label} B={_budget_label(budget)}", fontsize=8)
+        ax.set_title(f"{label} {_column_label(column)}", fontsize=8)
     fig.supxlabel("context length (tokens)", fontsize=8)
     fig.supylabel("needle depth", fontsize=8)
     fig.tight_layout()
@@ -144,8 +407,9 @@ def plot_needle_heatmaps(rows: list[dict], path: Path) -> bool:
 
 
 def plot_budget_maps(rows: list[dict], path: Path) -> bool:
-    """Mean kept entries per (layer, KV head), one panel per method at its smallest budget."""
-    rows = [r for r in rows if r.get("budgets") and r["budget"] is not None]
+    """Mean kept entries per (layer, KV head), one panel per method at its smallest budget (or,
+    with ratios only, its largest compression ratio)."""
+    rows = [r for r in rows if r.get("budgets") and _column(r) is not None]
     if not rows:
         return False
     import matplotlib
@@ -156,13 +420,13 @@ def plot_budget_maps(rows: list[dict], path: Path) -> bool:
 
     panels = []
     for label, mine in _group(rows, "label").items():
-        smallest = min(r["budget"] for r in mine)
-        maps = np.array([r["budgets"] for r in mine if r["budget"] == smallest], dtype=float)
+        smallest = _most_compressed(_columns(mine))
+        maps = np.array([r["budgets"] for r in mine if _column(r) == smallest], dtype=float)
         panels.append((label[0], smallest, maps.mean(0)))
     fig, axes = plt.subplots(1, len(panels), figsize=(1.9 * len(panels) + 1, 4), squeeze=False)
     for ax, (label, budget, grid) in zip(axes[0], panels, strict=True):
         image = ax.imshow(grid, aspect="auto", cmap="viridis")
-        ax.set_title(f"{label}\nB={budget}", fontsize=8)
+        ax.set_title(f"{label}\n{_column_label(budget)}", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
         fig.colorbar(image, ax=ax, fraction=0.08)
@@ -183,24 +447,27 @@ def _is_prune_method(name: str) -> bool:
 def selection_layer_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per prune-stage method, budget and task, how often each layer was the
     selection layer (``-`` = nothing pruned), from the rows' ``selection_layer``."""
-    rows = [r for r in rows if _is_prune_method(r["method"]) and r["budget"] is not None]
+    rows = [r for r in rows if _is_prune_method(r["method"]) and _column(r) is not None]
     if not rows:
         return []
     lines = ["| method | budget | task | selection layer: samples | mean layer |", "|---|---|---|---|---|"]
-    for (label, budget, task), mine in sorted(_group(rows, "label", "budget", "task").items()):
+    groups = _group_by(rows, lambda r: (r["label"], _column(r), r["task"]))
+    for (label, column, task), mine in sorted(groups.items()):
         counts: dict[Any, int] = defaultdict(int)
         for r in mine:
             counts[r["selection_layer"]] += 1
         keys = sorted(k for k in counts if k is not None) + ([None] if None in counts else [])
         cells = ", ".join(f"{'-' if k is None else k}: {counts[k]}" for k in keys)
         layers = [r["selection_layer"] for r in mine if r["selection_layer"] is not None]
-        lines.append(f"| {label} | {budget} | {task} | {cells} | {_fmt(_mean(layers), 1, 1)} |")
+        lines.append(
+            f"| {label} | {_column_label(column)} | {task} | {cells} | {_fmt(_mean(layers), 1, 1)} |"
+        )
     return lines
 
 
 def plot_selection_layers(rows: list[dict], path: Path) -> bool:
     """Histogram of selection layers per task, one panel per prune-stage method (smallest budget)."""
-    rows = [r for r in rows if r.get("selection_layer") is not None and r["budget"] is not None]
+    rows = [r for r in rows if r.get("selection_layer") is not None and _column(r) is not None]
     if not rows:
         return False
     import matplotlib
@@ -214,11 +481,11 @@ def plot_selection_layers(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(labels), figsize=(3.2 * len(labels) + 0.5, 3), squeeze=False)
     for ax, label in zip(axes[0], labels, strict=True):
         mine = [r for r in rows if r["label"] == label]
-        smallest = min(r["budget"] for r in mine)
-        at_budget = [r for r in mine if r["budget"] == smallest]
+        smallest = _most_compressed(_columns(mine))
+        at_budget = [r for r in mine if _column(r) == smallest]
         data = [[r["selection_layer"] for r in at_budget if r["task"] == t] for t in tasks]
         ax.hist(data, bins=range(0, top + 2), label=tasks, align="left")
-        ax.set_title(f"{label} B={smallest}", fontsize=8)
+        ax.set_title(f"{label} {_column_label(smallest)}", fontsize=8)
         ax.set_xlabel("selection layer", fontsize=7)
         ax.set_ylabel("samples", fontsize=7)
     axes[0][0].legend(fontsize=6)
@@ -228,8 +495,11 @@ def plot_selection_layers(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def write_report(out: Path) -> Path:
-    """Write ``out/report.md`` and its PNGs; returns the report's path."""
+def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
+    """Write ``out/report.md`` and its PNGs; returns the report's path.
+
+    ``resamples``: bootstrap resamples per interval (fewer renders faster, with noisier bounds).
+    """
     out = Path(out)
     rows = load_rows(out / "results.jsonl")
     if not rows:
@@ -237,23 +507,42 @@ def write_report(out: Path) -> Path:
     ok = [r for r in rows if r.get("error") is None]
     errors = [r for r in rows if r.get("error") is not None]
     models = sorted({r["model"] for r in rows})
+    dtypes = sorted({r["dtype"] for r in rows if r.get("dtype")})
     lines = [
         f"# kvbudget evaluation report — {out}",
         "",
-        f"Model(s): {', '.join(models)}. {len(ok)} runs, {len(errors)} errors. Scores ×100 "
-        "(cell: mean score (samples)); retention = score on samples the full cache solves; agreement = "
-        "greedy tokens equal to the full cache's answer (×100); KL = mean KL(full ‖ method) per answer "
-        "token under teacher forcing.",
+        f"Model(s): {', '.join(models)}"
+        + (f" ({', '.join(dtypes)})" if dtypes else "")
+        + f". {len(ok)} runs, {len(errors)} errors. Scores ×100; every cell is `mean [low, high]`, the "
+        "mean over samples with its 95% percentile-bootstrap interval (samples resampled, "
+        f"{resamples} resamples, seed 0); n = samples per cell. Columns: `B=` entries per KV head, "
+        "`r=` compression ratio (fraction of the compressed tokens removed, as kvpress). Retention = "
+        "score on samples the full cache solves; agreement = greedy tokens equal to the full cache's "
+        "answer (×100); KL = mean KL(full ‖ method) per answer token under teacher forcing; these "
+        "three pool a method's columns (each sample averaged over them first).",
         "",
     ]
+    summary = across_tasks(ok, resamples)
+    if summary.columns:
+        lines += ["## Across tasks", "", *across_tasks_tables(summary), ""]
+        for kind, name in (("B", "budget"), ("r", "ratio")):
+            png = out / f"score_vs_{name}_mean.png"
+            if plot_across_tasks(summary, kind, png):
+                lines += [f"![mean score over tasks vs {name}]({png.name})", ""]
     for (task,), task_rows in _group(ok, "task").items():
         if task_rows[0]["metric"] == "perplexity":
-            lines += [f"## {task} (perplexity, lower is better)", "", *perplexity_table(task_rows), ""]
+            lines += [
+                f"## {task} (perplexity, lower is better)",
+                "",
+                *perplexity_table(task_rows, resamples),
+                "",
+            ]
             continue
-        lines += [f"## {task}", "", *task_table(task_rows), ""]
-        png = out / f"score_vs_budget_{task}.png"
-        plot_score_vs_budget(task_rows, task, png)
-        lines += [f"![score vs budget, {task}]({png.name})", ""]
+        lines += [f"## {task}", "", *task_table(task_rows, resamples), ""]
+        for kind, name in (("B", "budget"), ("r", "ratio")):
+            png = out / f"score_vs_{name}_{task}.png"
+            if plot_score_vs_budget(task_rows, task, png, kind, resamples):
+                lines += [f"![score vs {name}, {task}]({png.name})", ""]
     if plot_needle_heatmaps([r for r in ok if r["family"] == "needle"], out / "needle_heatmaps.png"):
         lines += ["## Needle heatmaps", "", "![needle heatmaps](needle_heatmaps.png)", ""]
     if plot_budget_maps(ok, out / "budget_maps.png"):
@@ -281,7 +570,7 @@ def write_report(out: Path) -> Path:
     if errors:
         lines += ["", "## Errors", ""]
         lines += [
-            f"- {r['task']} #{r['sample']} {r['label']} B={_budget_label(r['budget'])}: {r['error']}"
+            f"- {r['task']} #{r['sample']} {r['label']} {_column_label(_column(r))}: {r['error']}"
             for r in errors
         ]
     report = out / "report.md"

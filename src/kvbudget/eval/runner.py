@@ -9,14 +9,24 @@ only its deeper layers on the kept tokens (:func:`kvbudget.prune.derive_pruned`)
 ``shared=False`` every run prefills on its own (layer-wise compression, as ``generate`` does) —
 the two give bit-identical predictions; the shared one is several times faster.
 
+Budgets come two ways: entries per KV head (``budgets``), or compression ratios
+(``compression_ratios``) with kvpress's meaning — the fraction of the compressed tokens removed, so
+a sample of ``n`` compressed tokens keeps ``max(1, int(n · (1 − ratio)))`` entries per KV head, the
+count kvpress's ``ScorerPress.compress`` keeps. The compressed tokens are the whole prompt, or
+only the context with ``compress_context_only`` (kvpress's default, ``query_aware=False``). A ratio
+row records both: ``compression_ratio`` and the resulting ``budget``.
+
 Rows go to ``DIR/results.jsonl`` (see :mod:`kvbudget.eval.store`): one per sample × method ×
-budget, keyed by a config hash; a rerun skips finished rows; a crashing run becomes an error
-row and the grid goes on.
+budget (or ratio), keyed by a config hash that holds the ratio for ratio rows; a rerun skips
+finished rows, so adding a method, budget or ratio to the same command runs only the new rows
+(``methods=["all"]`` takes every registered method at run time: a method registered later is
+added by rerunning the command). A crashing run becomes an error row and the grid goes on.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -32,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvbudget
 from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs, selection_layer
-from kvbudget.errors import KVBudgetError
+from kvbudget.errors import BudgetError, KVBudgetError
 from kvbudget.eval.draft import decode_with_draft
 from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agreement
 from kvbudget.eval.sample import Sample
@@ -41,7 +51,8 @@ from kvbudget.eval.tasks import get_task
 from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.eval.tasks.perplexity import chunked_perplexity
 from kvbudget.methods.base import Method
-from kvbudget.methods.registry import make_method
+from kvbudget.methods.registry import make_method, method_names
+from kvbudget.models import resolve_dtype
 from kvbudget.session import CompressionSession
 from kvbudget.snapshot import Snapshot, derive, take_snapshot
 
@@ -74,15 +85,41 @@ class MethodSpec:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
 
 
+def ratio_budget(compression_ratio: float, compressed_tokens: int) -> int:
+    """Entries per KV head left when ``compression_ratio`` of ``compressed_tokens`` are removed.
+
+    kvpress's definition (``ScorerPress``: "fraction of key-value pairs to remove"; it keeps
+    ``max(1, int(k_len * (1 - compression_ratio)))``): ratio 0.75 keeps a quarter of the tokens.
+    """
+    return max(1, int(compressed_tokens * (1 - compression_ratio)))
+
+
+def expand_methods(methods: list[str]) -> list[str]:
+    """``all`` → every registered method (in registry order), at its place; duplicates dropped."""
+    expanded: list[str] = []
+    for method in methods:
+        for name in method_names() if method.strip() == "all" else [method]:
+            if name not in expanded:
+                expanded.append(name)
+    return expanded
+
+
 @dataclass
 class EvalConfig:
-    """What to run. ``budgets`` are entries per KV head; ``limit`` samples per task and length."""
+    """What to run; ``limit`` samples per task and length.
+
+    ``budgets`` are entries per KV head; ``compression_ratios`` are fractions of the compressed
+    tokens removed (kvpress's ``compression_ratio``, in [0, 1)), turned into entries per KV head
+    per sample by :func:`ratio_budget`. ``methods`` may hold ``all`` (every registered method).
+    ``dtype``: float32, bfloat16 or float16 (aliases such as bf16 are normalised).
+    """
 
     model: str = "smollm2-135m"
     tasks: list[str] = field(default_factory=lambda: ["needle"])
     lengths: list[int] = field(default_factory=lambda: [1024])
     methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "ada-snapkv"])
     budgets: list[int] = field(default_factory=lambda: [64, 128])
+    compression_ratios: list[float] = field(default_factory=list)
     limit: int = 5
     seed: int = 0
     compress_context_only: bool = False
@@ -121,6 +158,17 @@ class Runner:
         tokenizer: PreTrainedTokenizerBase | None = None,
         progress: bool = True,
     ) -> None:
+        dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")  # one-line error when unknown
+        for ratio in config.compression_ratios:
+            if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0.0 <= ratio < 1.0):
+                raise BudgetError(
+                    f"compression ratio must be in [0, 1) (the fraction of tokens removed, as kvpress), "
+                    f"got {ratio!r}"
+                )
+        config = dataclasses.replace(
+            config, dtype=dtype, methods=expand_methods(config.methods),
+            compression_ratios=[float(r) for r in config.compression_ratios],
+        )  # fmt: skip
         self.config = config
         self.out = Path(out)
         self.progress = progress
@@ -129,6 +177,8 @@ class Runner:
         for budget in config.budgets:
             if budget <= 0:
                 raise KVBudgetError(f"budgets must be positive, got {budget}")
+        if not config.budgets and not config.compression_ratios and any(s.name != "full" for s in self.specs):
+            raise BudgetError("no budgets: give budgets (entries per KV head) or compression ratios")
         if model is None or tokenizer is None:
             model, tokenizer = kvbudget.load_model(config.model, dtype=config.dtype)
         self.model, self.tokenizer = model, tokenizer
@@ -137,15 +187,17 @@ class Runner:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     # ------------------------------------------------------------------ grid
-    def runs(self) -> list[tuple[MethodSpec, int | None]]:
-        """The (method, budget) pairs of one sample; ``full`` runs once, without a budget."""
-        pairs: list[tuple[MethodSpec, int | None]] = []
+    def runs(self) -> list[tuple[MethodSpec, int | None, float | None]]:
+        """The (method, budget, compression ratio) runs of one sample: each method at every budget
+        (ratio ``None``) and every ratio (budget ``None``); ``full`` runs once, with neither."""
+        triples: list[tuple[MethodSpec, int | None, float | None]] = []
         for spec in self.specs:
             if spec.name == "full":
-                pairs.append((spec, None))
+                triples.append((spec, None, None))
             else:
-                pairs.extend((spec, b) for b in self.config.budgets)
-        return pairs
+                triples.extend((spec, b, None) for b in self.config.budgets)
+                triples.extend((spec, None, r) for r in self.config.compression_ratios)
+        return triples
 
     def samples(self) -> Iterator[tuple[TaskSpec, int, int, Sample]]:
         for task in self.tasks:
@@ -157,32 +209,36 @@ class Runner:
                         sample.max_new_tokens = min(sample.max_new_tokens, self.config.max_new_tokens)
                     yield task, length, index, sample
 
-    def key(self, task: TaskSpec, sample: Sample, spec: MethodSpec, budget: int | None) -> str:
-        return config_key(
-            {
-                "model": self.config.model, "task": task.name, "context": config_key({"c": sample.context}),
-                "question": sample.question, "prefix": sample.answer_prefix, "max_new": sample.max_new_tokens,
-                "method": spec.name, "options": spec.options, "budget": budget,
-                "agnostic": self.config.compress_context_only, "dtype": self.config.dtype,
-            }
-        )  # fmt: skip
+    def key(
+        self, task: TaskSpec, sample: Sample, spec: MethodSpec, budget: int | None, ratio: float | None = None
+    ) -> str:
+        """The row's config hash; a ratio row's holds the ratio (budget rows' keys are as before ratios)."""
+        fields = {
+            "model": self.config.model, "task": task.name, "context": config_key({"c": sample.context}),
+            "question": sample.question, "prefix": sample.answer_prefix, "max_new": sample.max_new_tokens,
+            "method": spec.name, "options": spec.options, "budget": budget,
+            "agnostic": self.config.compress_context_only, "dtype": self.config.dtype,
+        }  # fmt: skip
+        if ratio is not None:
+            fields["compression_ratio"] = ratio
+        return config_key(fields)
 
     def run(self) -> Path:
         """Run every missing row; returns the results path."""
         grid = list(self.samples())
         done = self.store.keys
-        todo = sum(1 for t, _, _, s in grid for spec, b in self.runs() if self.key(t, s, spec, b) not in done)
+        todo = sum(1 for t, _, _, s in grid for run in self.runs() if self.key(t, s, *run) not in done)
         bar = tqdm(total=todo, disable=not self.progress, desc="eval", unit="run", dynamic_ncols=True)
         for task, length, index, sample in grid:
-            pending = [(spec, b) for spec, b in self.runs() if self.key(task, sample, spec, b) not in done]
+            pending = [run for run in self.runs() if self.key(task, sample, *run) not in done]
             if not pending:
                 continue
             bar.set_description(f"{task.name} {length} #{index}")
             try:
                 self._run_sample(task, length, index, sample, pending, bar)
             except Exception as err:  # the reference run failed: record every pending row as an error
-                for spec, budget in pending:
-                    self._record_error(task, length, index, sample, spec, budget, err)
+                for spec, budget, ratio in pending:
+                    self._record_error(task, length, index, sample, (spec, budget, ratio), None, err)
                     bar.update(1)
         bar.close()
         return self.store.path
@@ -196,24 +252,26 @@ class Runner:
             return
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
-        prune = any("prune" in spec.build().stages for spec, _ in pending)  # they derive from hidden states
+        prune = any("prune" in run[0].build().stages for run in pending)  # they derive from hidden states
         snapshot = take_snapshot(self.model, inputs, hidden_states=prune) if self.config.shared else None
         reference = self._run_one(snapshot, prompt, sample, make_method("full"), None, teacher=None)
         answers: list[list[int]] = []  # earlier runs' answers: drafts for the later ones
-        for spec, budget in pending:
+        for run in pending:
+            spec, budget, ratio = run
+            entries = budget if ratio is None else ratio_budget(ratio, inputs.compressed_until)
             if spec.name == "full":
                 outcome = reference
             else:
                 try:
                     outcome = self._run_one(
-                        snapshot, prompt, sample, spec.build(), budget, teacher=reference, candidates=answers
+                        snapshot, prompt, sample, spec.build(), entries, teacher=reference, candidates=answers
                     )
                     answers.insert(0, outcome.token_ids)
                 except Exception as err:
-                    self._record_error(task, length, index, sample, spec, budget, err)
+                    self._record_error(task, length, index, sample, run, entries, err)
                     bar.update(1)
                     continue
-            self._record(task, length, index, sample, spec, budget, outcome, reference, len(prompt.ids))
+            self._record(task, length, index, sample, run, entries, outcome, reference, len(prompt.ids))
             bar.update(1)
 
     def _run_one(
@@ -248,14 +306,10 @@ class Runner:
         start = time.perf_counter()
         if teacher is None:  # the full-cache reference: its own answer, then its log-probs on it
             forced = copy.deepcopy(cache)
-            decoded = decode_loop(
-                self.model, cache, logits, mask, last_pos, self.eos, sample.max_new_tokens
-            )
+            decoded = decode_loop(self.model, cache, logits, mask, last_pos, self.eos, sample.max_new_tokens)
             ids, steps, decode_s, accepted = decoded.generated[0], decoded.steps, decoded.seconds, 0
             first_token_s = time.perf_counter() - start - decode_s
-            logprobs = teacher_forced_logprobs(
-                self.model, forced, logits, ids, mask, last_pos, step_by_step
-            )
+            logprobs = teacher_forced_logprobs(self.model, forced, logits, ids, mask, last_pos, step_by_step)
         else:  # the reference answer is a draft: one pass gives log-probs and the agreeing prefix
             drafted = decode_with_draft(
                 self.model, cache, logits, teacher.token_ids, mask, last_pos, self.eos,
@@ -286,15 +340,16 @@ class Runner:
         """Perplexity rows: score = perplexity of the passage with the cache held at the budget."""
         ids = torch.tensor([self.tokenizer(sample.context, add_special_tokens=False)["input_ids"]])
         full = chunked_perplexity(self.model, ids, make_method("full"), None)
-        for spec, budget in pending:
-            row = self._base_row(task, length, index, sample, spec, budget)
+        for run in pending:
+            spec, budget, ratio = run
+            entries = budget if ratio is None else ratio_budget(ratio, ids.shape[1])  # of the whole passage
+            row = self._base_row(task, length, index, sample, run, entries)
             start = time.perf_counter()
             try:
-                result = (
-                    full if spec.name == "full" else chunked_perplexity(self.model, ids, spec.build(), budget)
-                )
+                method = spec.build()
+                result = full if spec.name == "full" else chunked_perplexity(self.model, ids, method, entries)
             except Exception as err:
-                self._record_error(task, length, index, sample, spec, budget, err)
+                self._record_error(task, length, index, sample, run, entries, err)
                 bar.update(1)
                 continue
             row.update(
@@ -308,11 +363,15 @@ class Runner:
 
     # ------------------------------------------------------------------ rows
     def _base_row(
-        self, task: TaskSpec, length: int, index: int, sample: Sample, spec: MethodSpec, budget
+        self, task: TaskSpec, length: int, index: int, sample: Sample, run: tuple, entries: int | None
     ) -> dict:
+        """The row's fields before its outcome; ``run`` is (method, budget, ratio), ``entries`` the
+        budget it ran at (a ratio's, once resolved on the sample; ``None`` if never resolved)."""
+        spec, budget, ratio = run
         return {
-            "key": self.key(task, sample, spec, budget),
+            "key": self.key(task, sample, spec, budget, ratio),
             "model": self.config.model,
+            "dtype": self.config.dtype,
             "task": task.name,
             "family": task.family,
             "metric": task.metric_name,
@@ -322,16 +381,17 @@ class Runner:
             "method": spec.name,
             "label": spec.label,
             "options": dict(spec.options),
-            "budget": budget,
+            "budget": budget if ratio is None else entries,
+            "compression_ratio": ratio,
             "mode": "agnostic" if self.config.compress_context_only else "aware",
             "shared_prefill": self.config.shared,
             "answers": sample.answers,
         }
 
     def _record(
-        self, task, length, index, sample, spec, budget, outcome: RunOutcome, reference: RunOutcome, n
+        self, task, length, index, sample, run, entries, outcome: RunOutcome, reference: RunOutcome, n
     ):
-        row = self._base_row(task, length, index, sample, spec, budget)
+        row = self._base_row(task, length, index, sample, run, entries)
         row.update(
             prediction=outcome.text,
             score=task.metric(outcome.text, sample.answers),
@@ -356,8 +416,8 @@ class Runner:
         )
         self.store.append(row)
 
-    def _record_error(self, task, length, index, sample, spec, budget, err: Exception) -> None:
-        row = self._base_row(task, length, index, sample, spec, budget)
+    def _record_error(self, task, length, index, sample, run, entries, err: Exception) -> None:
+        row = self._base_row(task, length, index, sample, run, entries)
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         row.update(prediction=None, score=None, error=detail, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
         self.store.append(row)
@@ -367,5 +427,6 @@ def run_eval(config: EvalConfig, out: Path, progress: bool = True, **kwargs: Any
     """Run ``config`` into ``out/results.jsonl`` (resuming) and return its path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(config), indent=2), encoding="utf-8")
-    return Runner(config, out, progress=progress, **kwargs).run()
+    runner = Runner(config, out, progress=progress, **kwargs)  # validates before anything is written
+    (out / "config.json").write_text(json.dumps(asdict(runner.config), indent=2), encoding="utf-8")
+    return runner.run()

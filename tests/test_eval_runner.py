@@ -1,7 +1,9 @@
-"""The evaluation runner: shared prefill equals per-run prefill, resume, kill-safety, error rows."""
+"""The evaluation runner: shared prefill equals per-run prefill, resume, kill-safety, error rows;
+compression ratios, ``all`` methods, the leaderboard suite, the demo's dtype."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -11,11 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from rich.console import Console
+from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
+from kvbudget import demo
+from kvbudget.cli import app
+from kvbudget.errors import BudgetError, KVBudgetError
 from kvbudget.eval.report import write_report
-from kvbudget.eval.runner import EvalConfig, Runner
+from kvbudget.eval.runner import EvalConfig, Runner, ratio_budget
 from kvbudget.eval.store import ResultStore, load_rows
+from kvbudget.eval.suites import suite
+from kvbudget.eval.tasks import get_task
+from kvbudget.methods.registry import REGISTRY
 from kvbudget.methods.snapkv import SnapKV
 
 SMALL = ["full", "snapkv:window=4,kernel=3", "ada-snapkv:window=4,kernel=3", "h2o", "streamingllm", "tova"]
@@ -138,3 +149,127 @@ def test_killed_eval_resumes_with_every_row_exactly_once(tmp_path, tiny_dir):
     rows = load_rows(results)
     assert len(rows) == 3 * (1 + 3 * 2) == 21
     assert len({r["key"] for r in rows}) == 21
+
+
+# ------------------------------------------------------------------ compression ratios, `all`, suites, dtype
+
+
+def test_ratio_budget_is_kvpress_formula_on_hand_values():
+    # kvpress ScorerPress keeps max(1, int(k_len * (1 - compression_ratio))) tokens
+    assert ratio_budget(0.75, 1000) == 250
+    assert ratio_budget(0.875, 2049) == 256  # int(256.125)
+    assert ratio_budget(0.25, 10) == 7  # int(7.5)
+    assert ratio_budget(0.5, 3) == 1
+    assert ratio_budget(0.9, 5) == 1  # int(0.4999…) = 0 → at least one entry
+    assert ratio_budget(0.0, 17) == 17
+
+
+def _old_budget_key(config: EvalConfig, task: str, sample, method: str, options: dict, budget) -> str:
+    """The row key as written before ratios existed (hash of the same fields, by hand)."""
+
+    def sha(obj) -> str:
+        blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+    return sha(
+        {
+            "model": config.model, "task": task, "context": sha({"c": sample.context}),
+            "question": sample.question, "prefix": sample.answer_prefix, "max_new": sample.max_new_tokens,
+            "method": method,
+            "options": tuple(options.items()), "budget": budget, "agnostic": config.compress_context_only,
+            "dtype": config.dtype,
+        }
+    )  # fmt: skip
+
+
+def test_ratio_rows_resume_and_a_new_ratio_adds_only_its_rows(tmp_path):
+    methods = ["full", "snapkv:window=4,kernel=3", "tova"]
+    first = _run(tmp_path, methods=methods, budgets=[], compression_ratios=[0.5])
+    again = _run(tmp_path, methods=methods, budgets=[], compression_ratios=[0.5])
+    assert len(first) == len(again) == 2 * (1 + 2)
+    more = _run(tmp_path, methods=methods, budgets=[], compression_ratios=[0.5, 0.75])
+    assert len(more) == 2 * (1 + 2 * 2) and len({r["key"] for r in more}) == 10
+    assert [r["key"] for r in more[:6]] == [r["key"] for r in first]  # the first rows untouched
+    ratio_rows = [r for r in more if r["method"] != "full"]
+    assert {r["compression_ratio"] for r in ratio_rows} == {0.5, 0.75}
+    for row in ratio_rows:
+        assert row["error"] is None
+        assert row["budget"] == max(1, int(row["prompt_tokens"] * (1 - row["compression_ratio"])))
+    snap = [r for r in ratio_rows if r["method"] == "snapkv"]
+    assert all({n for layer in r["budgets"] for n in layer} == {r["budget"]} for r in snap)
+    full = [r for r in more if r["method"] == "full"]
+    assert all(r["compression_ratio"] is None and r["budget"] is None for r in full)
+
+    # budgets beside the ratios: only the budget rows are new, keyed as before ratios existed
+    both = _run(tmp_path, methods=methods, budgets=[24], compression_ratios=[0.5, 0.75])
+    budget_rows = [r for r in both if r["compression_ratio"] is None and r["method"] != "full"]
+    assert len(both) == 10 + 2 * 2 and len(budget_rows) == 4
+    config = _config(methods=methods, budgets=[24])
+    runner = Runner(config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(True), progress=False)
+    samples = {index: sample for _, _, index, sample in runner.samples()}
+    for row in budget_rows:
+        expected = _old_budget_key(
+            config, row["task"], samples[row["sample"]], row["method"], row["options"], 24
+        )
+        assert row["key"] == expected
+    text = write_report(tmp_path).read_text()
+    assert "| B=24 | r=0.5 | r=0.75 |" in text
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.5, -0.25])
+def test_a_bad_ratio_is_a_one_line_error(ratio, tmp_path):
+    with pytest.raises(BudgetError) as info:
+        Runner(_config(compression_ratios=[ratio]), tmp_path, progress=False)  # before any model loads
+    assert "compression ratio must be in [0, 1)" in str(info.value) and "\n" not in str(info.value)
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), "--compression-ratios", f"0.5,{ratio}"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"error: {info.value}"]
+
+
+def test_cli_ratio_parsing_and_missing_budgets_are_one_line_errors(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), "--compression-ratios", "half"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == ["error: --compression-ratios expects numbers, got ['half']"]
+    with pytest.raises(BudgetError, match="no budgets"):
+        Runner(_config(budgets=[], compression_ratios=[]), tmp_path, progress=False)
+
+
+def test_methods_all_expands_to_every_registered_method(tmp_path):
+    runner = Runner(
+        _config(methods=["full", "all", "snapkv:window=4,kernel=3"]), tmp_path, model=tiny_model(),
+        tokenizer=tiny_tokenizer(True), progress=False,
+    )  # fmt: skip
+    assert runner.config.methods == [*REGISTRY, "snapkv:window=4,kernel=3"]  # full once, in registry order
+    assert [s.label for s in runner.specs] == runner.config.methods
+    assert len(runner.runs()) == 1 + (len(REGISTRY) - 1 + 1) * 2  # full once; the rest at both budgets
+
+
+def test_leaderboard_suite_is_the_issue_grid():
+    config = suite("leaderboard")
+    assert (config.model, config.dtype, config.limit) == ("qwen2.5-coder-0.5b", "bfloat16", 20)
+    assert config.lengths == [2048, 4096] and config.methods == ["all"]
+    assert config.compression_ratios == [0.25, 0.5, 0.75, 0.875] and config.budgets == [64, 128, 256]
+    families = {get_task(t).family for t in config.tasks}  # every task is registered
+    assert families == {"needle", "ruler", "infinitebench", "code"}
+    ruler = {"niah_single_1", "niah_multikey_2", "niah_multivalue", "vt", "cwe", "fwe", "qa_1", "qa_2"}
+    assert {"needle", "kv_retrieval", "passkey", "lcc"} | ruler <= set(config.tasks)
+    config.budgets.append(512)  # a fresh grid each call
+    assert suite("leaderboard").budgets == [64, 128, 256]
+    with pytest.raises(KVBudgetError, match="expected one of smoke, demo, standard, leaderboard"):
+        suite("huge")
+
+
+def test_demo_runs_in_the_dtype_asked(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_load(name, dtype="float32"):
+        seen["dtype"] = dtype
+        return tiny_model().to(getattr(torch, dtype)), tiny_tokenizer(True)
+
+    monkeypatch.setattr(demo, "load_model", fake_load)
+    report = demo.run_demo(model="tiny", length=300, out=tmp_path, console=Console(quiet=True), dtype="bf16")
+    assert seen["dtype"] == "bfloat16"
+    assert "`tiny` (bfloat16)" in report.read_text() and "--dtype bfloat16" in report.read_text()
+    result = CliRunner().invoke(app, ["demo", "--dtype", "float8", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and result.stderr.strip().startswith("error: unsupported dtype 'float8'")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -190,13 +190,21 @@ def _split(values: list[str] | None) -> list[str]:
 @user_errors
 def evaluate(
     out: Annotated[Path, typer.Option(help="Results directory (results.jsonl, report).")] = Path("runs/eval"),
-    suite: Annotated[str | None, typer.Option(help="smoke, demo or standard.")] = None,
+    suite: Annotated[str | None, typer.Option(help="smoke, demo, standard or leaderboard.")] = None,
     model: Annotated[str | None, typer.Option(help="Model (default smollm2-135m).")] = None,
     tasks: Annotated[list[str] | None, typer.Option(help="Tasks (comma-separated or repeated).")] = None,
     methods: Annotated[
-        list[str] | None, typer.Option(help="Methods, e.g. snapkv or snapkv:window=64.")
+        list[str] | None,
+        typer.Option(help="Methods, e.g. snapkv or snapkv:window=64; `all` = every registered method."),
     ] = None,
     budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
+    compression_ratios: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Compression ratios as kvpress: the fraction of the compressed tokens removed, in [0, 1) "
+            "(0.75 keeps a quarter); run beside --budgets (given alone, without --suite, no budgets run)."
+        ),
+    ] = None,
     lengths: Annotated[list[str] | None, typer.Option(help="Context lengths in tokens.")] = None,
     limit: Annotated[int | None, typer.Option(help="Samples per task and length.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sample seed.")] = None,
@@ -221,8 +229,11 @@ def evaluate(
     overrides = {
         "model": model, "tasks": _split(tasks) or None, "methods": _split(methods) or None,
         "budgets": ints(budgets, "budgets"), "lengths": ints(lengths, "lengths"),
+        "compression_ratios": _floats(compression_ratios, "compression-ratios"),
         "limit": limit, "seed": seed, "dtype": dtype, "max_new_tokens": max_new_tokens,
     }  # fmt: skip
+    if not suite and overrides["compression_ratios"] and overrides["budgets"] is None:
+        overrides["budgets"] = []  # ratios alone: not the default budgets too
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
@@ -321,11 +332,15 @@ def tune(
 @user_errors
 def report_command(
     out: Annotated[Path, typer.Argument(help="Results directory of `kvbudget eval`.")],
+    resamples: Annotated[
+        int,
+        typer.Option(min=1, help="Bootstrap resamples per 95% interval (seeded; fewer = faster, noisier)."),
+    ] = 2000,
 ) -> None:
-    """Write OUT/report.md and plots from OUT/results.jsonl."""
+    """Write OUT/report.md and plots from OUT/results.jsonl; every score with its 95% bootstrap interval."""
     from kvbudget.eval.report import write_report
 
-    console.print(f"report: [bold]{write_report(out)}[/bold]")
+    console.print(f"report: [bold]{write_report(out, resamples=resamples)}[/bold]")
 
 
 @app.command()
@@ -334,11 +349,12 @@ def demo(
     model: Annotated[str, typer.Option(help="Model to run the demo on.")] = "smollm2-135m",
     length: Annotated[int, typer.Option(help="Needle prompt length in tokens.")] = 2048,
     out: Annotated[Path, typer.Option(help="Directory for the report.")] = Path("demo-out"),
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
 ) -> None:
     """Needle demo: full, snapkv and ada-snapkv at several budgets; writes DIR/demo.md."""
     from kvbudget.demo import run_demo
 
-    run_demo(model=model, length=length, out=out, console=console)
+    run_demo(model=model, length=length, out=out, console=console, dtype=dtype)
 
 
 bench_app = typer.Typer(help="Latency, memory and scaling benchmarks; `bench peer` compares with kvpress.")

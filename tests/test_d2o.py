@@ -494,8 +494,9 @@ def test_decoding_with_the_fast_path_equals_decoding_without_it(llama, chat_toke
         assert torch.equal(a.state["d2o_attention"], b.state["d2o_attention"])
 
 
+@pytest.mark.parametrize("weighting", ["paper", "authors"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_entry_merge_is_bit_identical_to_the_scatter_merge(dtype: torch.dtype) -> None:
+def test_one_entry_merge_is_bit_identical_to_the_scatter_merge(dtype: torch.dtype, weighting: str) -> None:
     """A decode step's merge (one evicted entry per head) touches only the nearest kept row, with the
     general scatter's arithmetic: same bits, merged heads and dropped heads alike."""
     from kvbudget.merging import _merge_one, _merge_scatter
@@ -507,11 +508,232 @@ def test_one_entry_merge_is_bit_identical_to_the_scatter_merge(dtype: torch.dtyp
         best = torch.rand(4, 1, generator=g) * 2 - 1
         nearest = torch.randint(0, 9, (4, 1), generator=g)
         merged = torch.tensor([[True], [False], [True], [False]])
-        one = _merge_one(kc, vc, ke, ve, best, nearest, merged)
-        general = _merge_scatter(kc, vc, ke, ve, best, nearest, merged)
+        one = _merge_one(kc, vc, ke, ve, best, nearest, merged, weighting)
+        general = _merge_scatter(kc, vc, ke, ve, best, nearest, merged, weighting)
         for a, b, kept in zip(one, general, (kc, vc), strict=True):
             assert a.dtype == kept.dtype and torch.equal(a, b)
             changed = (a != kept).any(-1)  # [h, S]: only merged heads' nearest rows
             for h in range(4):
                 rows = changed[h].nonzero().flatten().tolist()
                 assert rows == ([int(nearest[h, 0])] if merged[h, 0] else [])
+
+
+# ------------------------------------------------------------------------------ merge variants (issue #25)
+def authors_merge_port(kc, vc, ke, ve, threshold, alpha=0.5, belta=0.5):
+    """A small port of the merge step of the authors' ``D2O_LayerKVCache.__call__``
+    (AIoT-MLSys-Lab/d2o, ``LMEval_kv_token_merge/modeling_llama3_7b_13b_d2o.py``) for one layer of
+    one sequence: ``kc, vc: [h, S, d]`` kept, ``ke, ve: [h, E, d]`` evicted, ``threshold`` the
+    layer's scalar (``None`` at the first eviction). Cosine nearest neighbour per head; one scalar
+    threshold ``τ ← α·τ + β·mean(max sim)``; evicted entry ``i`` merged in every head iff its
+    head-mean max similarity ≥ τ; ``torch.scatter_reduce(..., reduce="mean", include_self=True)``
+    of ``sim·k_i`` into the kept keys (values alike). Returns new kc, vc, threshold (float64)."""
+    kc, vc, ke, ve = (t.double() for t in (kc, vc, ke, ve))
+    sim = (ke / ke.norm(dim=-1, keepdim=True)) @ (kc / kc.norm(dim=-1, keepdim=True)).transpose(-1, -2)
+    max_values, max_indices = sim.max(dim=-1)  # [h, E]
+    threshold = max_values.mean() if threshold is None else alpha * threshold + belta * max_values.mean()
+    keep = max_values.mean(0) >= threshold  # [E]
+    index = max_indices[:, keep][..., None].expand(-1, -1, kc.shape[-1])
+    weight = max_values[:, keep][..., None]
+    new_k = torch.scatter_reduce(kc, 1, index, weight * ke[:, keep], reduce="mean", include_self=True)
+    new_v = torch.scatter_reduce(vc, 1, index, weight * ve[:, keep], reduce="mean", include_self=True)
+    return new_k, new_v, threshold
+
+
+def test_authors_weighting_is_a_scatter_mean_of_similarity_scaled_keys_by_hand():
+    """The hand-built cache of the first test, every evicted entry merged (``threshold=False``):
+    k_0 ← (k_0 + u1·k_e1 + u3·k_e3) / 3 and k_1 ← (k_1 + u2·k_e2) / 2 — no e, no exp."""
+    kept_k = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    kept_v = torch.tensor([[[1.0, 1.0], [-1.0, 2.0]]])
+    ev_k = torch.tensor([[[3.0, 1.0], [1.0, 4.0], [1.0, -1.0]]])
+    ev_v = torch.tensor([[[5.0, 0.0], [0.0, -3.0], [9.0, 9.0]]])
+    out = d2o_merge(kept_k, kept_v, ev_k, ev_v, tau=None, threshold=False, weighting="authors")
+    u1, u2, u3 = 3 / math.sqrt(10), 4 / math.sqrt(17), 1 / math.sqrt(2)
+    assert out.nearest.tolist() == [[0, 1, 0]] and out.merged.all()
+    want_k = [[(1 + 3 * u1 + u3) / 3, (u1 - u3) / 3], [u2 / 2, (1 + 4 * u2) / 2]]
+    want_v = [[(1 + 5 * u1 + 9 * u3) / 3, (1 + 9 * u3) / 3], [-1 / 2, (2 - 3 * u2) / 2]]
+    np.testing.assert_allclose(out.keys[0].numpy(), want_k, rtol=1e-6)
+    np.testing.assert_allclose(out.values[0].numpy(), want_v, rtol=1e-6)
+    # one evicted entry, a decode step's path: unit keys at u = 0.8 → k_1 ← ((0, 1) + 0.8·(0.6, 0.8)) / 2
+    # = (0.24, 0.82), shorter than either (‖·‖ ≈ 0.854): the scatter-mean shrinks keys
+    one = d2o_merge(kept_k, kept_v, torch.tensor([[[0.6, 0.8]]]), torch.tensor([[[0.0, 0.0]]]), out.tau,
+                    threshold=False, weighting="authors")  # fmt: skip
+    assert one.nearest.tolist() == [[1]]
+    np.testing.assert_allclose(one.keys[0].numpy(), [[1.0, 0.0], [0.24, 0.82]], rtol=1e-6)
+    np.testing.assert_allclose(one.values[0, 1].numpy(), [-1 / 2, 2 / 2], rtol=1e-6)
+    assert float(one.keys[0, 1].norm()) == pytest.approx(math.hypot(0.24, 0.82), rel=1e-6)
+    assert torch.equal(one.keys[0, 0], kept_k[0, 0])  # untouched row: bit-identical
+
+
+def test_authors_decision_is_one_threshold_per_layer_on_the_head_mean_similarity():
+    """Two heads, kept keys e_x, e_y; evicted keys built with chosen best similarities
+    head 0: (0.95, 0.25), head 1: (0.05, 0.85). τ_0 = 0.525 (mean of all four): head means 0.5 and
+    0.55, so entry 0 is dropped and entry 1 merged *in both heads* — where the paper's per-head τ
+    (0.6, 0.45) merges entry 0 of head 0 and entry 1 of head 1 only."""
+    kept_k = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]] * 2)
+    kept_v = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(0))
+
+    def evicted(*bests):  # best similarity b with e_x: (b, 0, √(1 − b²))
+        return [[b, 0.0, math.sqrt(1 - b * b)] for b in bests]
+
+    ev_k = torch.tensor([evicted(0.95, 0.25), evicted(0.05, 0.85)])
+    ev_v = torch.ones(2, 2, 3)
+    authors = d2o_merge(kept_k, kept_v, ev_k, ev_v, None, beta=0.5, decision="authors")
+    assert authors.merged.tolist() == [[False, True], [False, True]]
+    assert authors.tau.tolist() == pytest.approx([0.525, 0.525], abs=1e-6)
+    paper = d2o_merge(kept_k, kept_v, ev_k, ev_v, None, decision="paper")
+    assert paper.merged.tolist() == [[True, False], [False, True]]
+    # next call, one entry per head with bests 0.8 / 0.3: τ_1 = 0.5·0.525 + 0.5·0.55 = 0.5375 ≤ 0.55,
+    # merged in both heads (head 1's own 0.3 is far below τ)
+    second = d2o_merge(kept_k, kept_v, torch.tensor([evicted(0.8), evicted(0.3)]), torch.ones(2, 1, 3),
+                       authors.tau, beta=0.5, decision="authors")  # fmt: skip
+    assert second.tau.tolist() == pytest.approx([0.5375, 0.5375], abs=1e-6)
+    assert second.merged.tolist() == [[True], [True]]
+    lower = d2o_merge(kept_k, kept_v, torch.tensor([evicted(0.7), evicted(0.3)]), torch.ones(2, 1, 3),
+                      authors.tau, beta=0.5, decision="authors")  # fmt: skip
+    assert lower.tau.tolist() == pytest.approx([0.5125, 0.5125], abs=1e-6)  # 0.5 < τ_1: dropped in both
+    assert lower.merged.tolist() == [[False], [False]]
+    assert torch.equal(lower.keys, kept_k) and torch.equal(lower.values, kept_v)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_authors_weighting_and_decision_match_a_port_of_the_authors_code(seed):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = torch.randn(3, 7, 5, generator=g), torch.randn(3, 7, 5, generator=g)
+    threshold = None
+    for e_count in (12, 4, 1, 1):  # a prefill, a chunk, two decode steps
+        ke, ve = torch.randn(3, e_count, 5, generator=g), torch.randn(3, e_count, 5, generator=g)
+        tau = None if threshold is None else torch.full((3,), float(threshold))
+        out = d2o_merge(kc, vc, ke, ve, tau, beta=0.5, weighting="authors", decision="authors")
+        want_k, want_v, threshold = authors_merge_port(kc, vc, ke, ve, threshold)
+        np.testing.assert_allclose(out.keys.double().numpy(), want_k.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out.values.double().numpy(), want_v.numpy(), rtol=1e-5, atol=1e-6)
+        assert out.tau.tolist() == pytest.approx([float(threshold)] * 3, abs=1e-6)
+        kc, vc = out.keys, out.values
+    assert not torch.equal(kc, vc)  # sanity: tensors were really carried through
+
+
+def test_fixed_threshold_merges_exactly_the_entries_at_least_that_similar():
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(2, 5, 4, generator=g), torch.randn(2, 5, 4, generator=g)
+    ke, ve = torch.randn(2, 20, 4, generator=g), torch.randn(2, 20, 4, generator=g)
+    out = d2o_merge(kc, vc, ke, ve, None, threshold=False, fixed_threshold=0.5)
+    for h in range(2):
+        nk, nv, ek, ev = (t[h].double().numpy() for t in (kc, vc, ke, ve))
+        best = [max(cosine(ek[i], nk[j]) for j in range(5)) for i in range(20)]
+        assert out.merged[h].tolist() == [b >= 0.5 for b in best]
+        take = [i for i in range(20) if best[i] >= 0.5]
+        want_k, want_v, _ = merge_reference(nk, nv, ek[take], ev[take], -2.0, 0.0)  # τ below all: merge all
+        np.testing.assert_allclose(out.keys[h].numpy(), want_k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out.values[h].numpy(), want_v, rtol=1e-5, atol=1e-6)
+    assert 0 < int(out.merged.sum()) < out.merged.numel()
+
+
+def _decode_steps(method, layers, budget, steps, seed=5):
+    """``steps`` decode steps on layer 0 with random new entries; returns every key seen by position
+    and head: ``{(h, position): key}``."""
+    g = torch.Generator().manual_seed(seed)
+    added = {}
+    for step in range(steps):
+        k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+        q1 = torch.randn(1, HQ, 1, D, generator=g)
+        for h in range(H):
+            added[(h, N + step)] = k1[0, h, 0]
+        layers[0].update(k1, v1)
+        method.decode_step(Observation(0, 3, q1, layers[0], SCALE), [budget])
+    return added
+
+
+def test_heavy_targets_leave_sinks_and_recent_window_exact_and_match_the_reference():
+    from kvbudget.methods.d2o import HEAVY, RECENT, SINK
+
+    fixtures = [fixture(s) for s in (11, 12, 13)]
+    budget = 12
+    events = {"heavy": [], "all": []}
+    heavy, every = make_method("d2o", merge_targets="heavy"), make_method("d2o")
+    heavy.watch_merges(events["heavy"].append)
+    every.watch_merges(events["all"].append)
+    layers, layers_all = d2o_prefill(heavy, fixtures, budget), d2o_prefill(every, fixtures, budget)
+    planned = heavy.layer_budgets(0)
+    for li, ((k, v, _q), layer) in enumerate(zip(fixtures, layers, strict=True)):
+        size = planned[li]
+        recent = (size - 4) - int(0.75 * (size - 4))
+        targets = list(range(4, size - recent))  # the heavy hitters' slots
+        nk, nv = k[0].double().numpy(), v[0].double().numpy()
+        for h in range(H):
+            k_h, v_h, pos = layer.head(h)
+            kept = pos[0].tolist()
+            assert kept == layers_all[li].head(h)[2][0].tolist()  # merging never changes the kept set
+            evicted = [j for j in range(N) if j not in kept]
+            want_k, want_v, _ = merge_reference_targets(
+                nk[h, kept], nv[h, kept], nk[h, evicted], nv[h, evicted], targets
+            )
+            np.testing.assert_allclose(k_h[0].double().numpy(), want_k, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(v_h[0].double().numpy(), want_v, rtol=1e-5, atol=1e-6)
+            protected = [*range(4), *range(size - recent, size)]
+            assert torch.equal(k_h[0, protected], k[0, h, [kept[j] for j in protected]])
+            assert torch.equal(v_h[0, protected], v[0, h, [kept[j] for j in protected]])
+            assert not torch.equal(k_h[0], k[0, h, kept])  # some heavy hitter received a merge
+    # decode: the sinks and the recent window still hold their original keys, bit for bit
+    added = _decode_steps(heavy, layers, budget, steps=6)
+    _decode_steps(every, layers_all, budget, steps=6)
+    size = planned[0]
+    recent = (size - 4) - int(0.75 * (size - 4))
+    for h in range(H):
+        k_h, _, pos = layers[0].head(h)
+        for slot in [*range(4), *range(size - recent, size)]:
+            p = int(pos[0, slot])
+            original = fixtures[0][0][0, h, p] if p < N else added[(h, p)]
+            assert torch.equal(k_h[0, slot], original)
+    # the hook saw every merge land on a heavy hitter; with every kept entry a target, some did not
+    landed = {
+        name: torch.cat([e.kinds.gather(1, e.result.nearest)[e.result.merged] for e in evs])
+        for name, evs in events.items()
+    }
+    assert len(events["heavy"]) == 3 + 6 and bool((landed["heavy"] == HEAVY).all())
+    assert bool(((landed["all"] == SINK) | (landed["all"] == RECENT)).any())
+
+
+def merge_reference_targets(kc, vc, ke, ve, targets):
+    """Eq. 9–12 (first eviction, τ_0 = mean best) for one head with the nearest neighbour searched
+    among the kept rows ``targets`` only."""
+    best, nearest = [], []
+    for i in range(len(ke)):
+        sims = {j: cosine(ke[i], kc[j]) for j in targets}
+        j = max(sims, key=sims.get)
+        nearest.append(j)
+        best.append(sims[j])
+    tau = sum(best) / len(best)
+    out_k, out_v = kc.copy(), vc.copy()
+    for j in targets:
+        members = [i for i in range(len(ke)) if best[i] >= tau and nearest[i] == j]
+        if members:
+            denominator = E + sum(math.exp(best[i]) for i in members)
+            out_k[j] = (E * kc[j] + sum(math.exp(best[i]) * ke[i] for i in members)) / denominator
+            out_v[j] = (E * vc[j] + sum(math.exp(best[i]) * ve[i] for i in members)) / denominator
+    return out_k, out_v, tau
+
+
+def test_fixed_threshold_above_one_keeps_exactly_what_no_merge_keeps():
+    fixtures = [fixture(s) for s in (11, 12, 13)]
+    budget = 12
+    never, nomerge, d2o = (make_method("d2o", fixed_threshold=1.5), make_method("d2o-nomerge"),
+                           make_method("d2o"))  # fmt: skip
+    runs = [d2o_prefill(m, fixtures, budget) for m in (never, nomerge, d2o)]
+    for method, layers in zip((never, nomerge, d2o), runs, strict=True):
+        _decode_steps(method, layers, budget, steps=4)
+    for a, b, c in zip(*runs, strict=True):
+        assert torch.equal(a.positions, b.positions)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.state["d2o_attention"], b.state["d2o_attention"])
+        assert not torch.equal(c.keys, b.keys)  # plain d2o does merge here
+
+
+def test_d2o_rejects_bad_merge_options():
+    with pytest.raises(UnknownMethodError, match="merge_targets"):
+        make_method("d2o", merge_targets="recent")
+    with pytest.raises(UnknownMethodError, match="weighting"):
+        make_method("d2o", weighting="mean")
+    with pytest.raises(UnknownMethodError, match="decision"):
+        make_method("d2o", decision="layer")
+    with pytest.raises(UnknownMethodError, match="fixed_threshold"):
+        make_method("d2o", fixed_threshold=-2.0)

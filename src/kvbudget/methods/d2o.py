@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -11,10 +12,34 @@ import torch
 from kvbudget.allocation import attention_variance, inverse_variance_layer_budgets
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import KVBudgetError, UnknownMethodError
-from kvbudget.merging import d2o_merge
+from kvbudget.merging import D2OMerge, d2o_merge
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
-from kvbudget.selection import keep_within_limits
+from kvbudget.selection import keep_within_limits, protected_mask
+
+#: kinds of kept entries (:attr:`MergeEvent.kinds`)
+SINK, HEAVY, RECENT = 0, 1, 2
+
+
+@dataclass
+class MergeEvent:
+    """One merge of one batch row of one layer, as :meth:`D2O.watch_merges` reports it.
+
+    Attributes:
+        layer_idx, row: where it happened.
+        kinds: ``[h, S]`` kind of each kept entry: ``SINK`` (0), ``HEAVY`` (1), ``RECENT`` (2), ``-1``
+            an empty slot.
+        keys, values: ``[h, S, d]`` the kept entries before the merge.
+        result: the merge (``result.keys``/``values`` after it; ``merged``/``nearest``/``similarity``
+            per evicted entry).
+    """
+
+    layer_idx: int
+    row: int
+    kinds: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    result: D2OMerge
 
 
 @dataclass
@@ -40,7 +65,19 @@ class D2O(Method):
     matched to its most cosine-similar kept key; with the EMA threshold (``τ_0`` = mean best
     similarity of the prefill's evicted entries, then ``τ_t = β·max U_t + (1 − β)·τ_{t−1}``)
     it is dropped or folded into that key and its value with the similarity weights of Eq. 12.
-    ``τ`` is kept per batch row, layer and KV head.
+    ``τ`` is kept per batch row, layer and KV head. Every kept entry — sinks, heavy hitters and
+    recent window — can receive a merge (Eq. 9 matches against all of ``K_c``; the authors' code
+    does the same).
+
+    **Merge variants** (options; defaults are the paper's): ``merge_targets="heavy"`` lets only the
+    ``N`` heavy hitters receive merges (the sinks and the recent window stay exact; our choice, not
+    in the paper or the authors' code); ``weighting="authors"`` and ``decision="authors"`` follow
+    the authors' code (AIoT-MLSys-Lab/d2o, ``LLM_merge_new/LMEval_kv_token_merge/
+    modeling_llama3_7b_13b_d2o.py``, ``D2O_LayerKVCache.__call__``): a scatter-mean of ``{k_j,
+    u_ij·k_i}`` instead of Eq. 12's weights, and one ``τ`` per layer over all heads with a head-mean
+    test (their EMA weights are 0.5 / 0.5: add ``beta=0.5``); ``fixed_threshold`` drops every
+    evicted entry less similar than it (with ``threshold=False``: a fixed threshold instead of the
+    EMA). See :func:`kvbudget.merging.d2o_merge`.
 
     **Decoding**: after every step each layer is evicted (and merged) back to ``S_l``, so the cache
     holds ``Σ_l S_l`` entries per head at every step. A row whose prompt fits the budget was not
@@ -62,6 +99,12 @@ class D2O(Method):
         heavy_fraction: ``N / (N + M)`` (0.75, i.e. ``N : M = 3 : 1``).
         beta: EMA smoothing β (0.7). merge: fold evicted entries into kept ones (True).
         threshold: apply the EMA threshold (True; False merges every evicted entry).
+        merge_targets: ``all`` (sinks, heavy hitters and recent window; default) or ``heavy``.
+        weighting: ``paper`` (Eq. 12; default) or ``authors`` (scatter-mean of ``{k_j, u·k_i}``).
+        decision: ``paper`` (EMA per KV head and evicted entry, Eq. 10; default) or ``authors``
+            (one ``τ`` per layer, head-mean similarity).
+        fixed_threshold: merge only evicted entries with best similarity ≥ it (−1 = off, default;
+            above 1 nothing is merged).
         dynamic_layers: variance-based layer budgets (True; False = uniform ``B`` per layer).
         variance: ``minmax`` (default) or ``raw`` (see above). min_fraction: lower clamp (0.01 of L).
         chunk: query chunk of the prompt column sums.
@@ -78,6 +121,10 @@ class D2O(Method):
     beta: float = 0.7
     merge: bool = True
     threshold: bool = True
+    merge_targets: str = "all"
+    weighting: str = "paper"
+    decision: str = "paper"
+    fixed_threshold: float = -1.0
     dynamic_layers: bool = True
     variance: str = "minmax"
     min_fraction: float = 0.01
@@ -91,6 +138,19 @@ class D2O(Method):
             )
         if not 0.0 <= self.beta <= 1.0:
             raise UnknownMethodError(f"{self.name}: beta must be in [0, 1], got {self.beta}")
+        if self.merge_targets not in ("all", "heavy"):
+            raise UnknownMethodError(
+                f"{self.name}: merge_targets must be all or heavy, got {self.merge_targets!r}"
+            )
+        for option in ("weighting", "decision"):
+            if getattr(self, option) not in ("paper", "authors"):
+                raise UnknownMethodError(
+                    f"{self.name}: {option} must be paper or authors, got {getattr(self, option)!r}"
+                )
+        if not isinstance(self.fixed_threshold, (int, float)) or not self.fixed_threshold >= -1.0:
+            raise UnknownMethodError(
+                f"{self.name}: fixed_threshold must be a number ≥ -1 (-1 = off), got {self.fixed_threshold!r}"
+            )
         if self.variance not in ("minmax", "raw"):
             raise UnknownMethodError(f"{self.name}: variance must be minmax or raw, got {self.variance!r}")
         if not 0.0 <= self.min_fraction <= 1.0:
@@ -192,7 +252,7 @@ class D2O(Method):
             for r in range(len(limits)) if over[r]
         }  # fmt: skip
         layer.keep(keep)
-        self._merge_rows(layer, layer_idx, evicted)
+        self._merge_rows(layer, layer_idx, evicted, limits)
 
     def _evict_one(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> bool:
         """Fast path of :meth:`evict` for a decode step's steady state: one batch row, every entry
@@ -217,7 +277,7 @@ class D2O(Method):
         kept = slots + (slots >= drop[:, None])  # [h, n - 1] every slot but the dropped one, in order
         evicted = {0: self._gather_evicted(layer, 0, drop[:, None])} if self.merge else {}
         layer.keep([list(kept.unbind(0))])
-        self._merge_rows(layer, layer_idx, evicted)
+        self._merge_rows(layer, layer_idx, evicted, limits)
         return True
 
     def _evicted_slots(self, keep: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
@@ -238,18 +298,46 @@ class D2O(Method):
         take = lambda t: t[row].gather(1, slots[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
         return take(layer.keys), take(layer.values)
 
+    def watch_merges(self, callback: Callable[[MergeEvent], None] | None) -> None:
+        """Call ``callback`` with a :class:`MergeEvent` after every merge (``None`` stops it); for
+        diagnostics (``scripts/d2o_merge_diagnostics.py``), not an option of the method."""
+        self.__dict__["_merge_watcher"] = callback
+
+    def kept_kinds(self, layer: BudgetLayer, row: int, limit: int) -> torch.Tensor:
+        """``[h, S]`` kind of each entry batch ``row`` of ``layer`` holds after an eviction to
+        ``limit``: the first ``sinks`` valid entries ``SINK``, the last ``M`` ``RECENT``, the rest
+        ``HEAVY``, empty slots ``-1``."""
+        positions = layer.positions[row : row + 1]
+        sinks = protected_mask(positions, 0, self.sinks)[0]
+        recent = protected_mask(positions, self.recent_for(limit), 0)[0]
+        kinds = torch.full(positions.shape[1:], HEAVY, dtype=torch.int8, device=positions.device)
+        kinds = kinds.masked_fill(recent, RECENT).masked_fill(sinks, SINK)
+        return kinds.masked_fill(positions[0] < 0, -1)
+
     def _merge_rows(
-        self, layer: BudgetLayer, layer_idx: int, evicted: dict[int, tuple[torch.Tensor, torch.Tensor]]
+        self,
+        layer: BudgetLayer,
+        layer_idx: int,
+        evicted: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        limits: list[int | None],
     ) -> None:
         """Merge each row's evicted keys and values ``evicted[r]: ([h, E, d], [h, E, d])`` into what
         ``layer`` kept (updating the row's ``τ``). The layer's kept keys and values are the merge's
-        kept entries: ``layer.keep`` gathered them in slot order."""
+        kept entries: ``layer.keep`` gathered them in slot order; ``limits[r]`` is the row's size."""
         taus = self._run["tau"].setdefault(layer_idx, {})
+        watcher = self.__dict__.get("_merge_watcher")
         merged = {}
         for r, (ev_keys, ev_values) in evicted.items():
+            limit = limits[r]
+            assert limit is not None  # only rows over their limit evict
+            kinds = self.kept_kinds(layer, r, limit) if watcher or self.merge_targets == "heavy" else None
             out = d2o_merge(
-                layer.keys[r], layer.values[r], ev_keys, ev_values, taus.get(r), self.beta, self.threshold
-            )
+                layer.keys[r], layer.values[r], ev_keys, ev_values, taus.get(r), self.beta, self.threshold,
+                targets=None if self.merge_targets == "all" or kinds is None else kinds == HEAVY,
+                weighting=self.weighting, decision=self.decision, fixed_threshold=self.fixed_threshold,
+            )  # fmt: skip
+            if watcher is not None and kinds is not None:
+                watcher(MergeEvent(layer_idx, r, kinds, layer.keys[r], layer.values[r], out))
             taus[r] = out.tau
             merged[r] = out.keys, out.values
         if not merged:

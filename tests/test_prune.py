@@ -136,6 +136,66 @@ def test_larger_tau_never_selects_a_deeper_layer(tau_a, tau_b):
     assert deep[1] <= deep[0]
 
 
+@pytest.mark.parametrize("name", ["asl", "asl-2pass"])
+def test_a_tau_no_layer_meets_still_ends_every_layer_at_the_budget(name):
+    """τ = 1e-9: no selection layer, yet each layer holds the budget per head (or the whole prompt
+    when it is shorter). One-pass ASL gets there through SnapKV, the 2-pass variant by selecting
+    at the last layer (the authors' get_layer_context_asl)."""
+    model = _six_layer_model()
+    lengths, budget = [70, 15], 20
+    ids = _ids(70, 11, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, : 70 - lengths[1]] = 0  # row 1: 15 tokens, left-padded, inside the budget
+    method = make_method(name, window=4, kernel=3, tau=1e-9, l_min=2, l_obs=2)
+    cache = kvbudget.compress(model, ids, method=method, budget=budget, attention_mask=mask)
+    for row, n in enumerate(lengths):
+        expected = budget if n > budget else n
+        entries = cache.stats(row).entries  # [layers, kv_heads]
+        assert entries.shape == (6, 2) and entries.eq(expected).all(), (row, entries)
+    assert all(rel >= 1e-9 for _, rel in method.relative_variances[0])  # no layer met τ
+    if name == "asl":
+        assert method.selection_layers == [None, None]
+    else:  # row 0 selected at the last layer; row 1 fits and is kept whole
+        assert method.selection_layers == [5, None] and method.fallback_rows == {0}
+
+
+def _authors_asl_2pass_fallback(probs: np.ndarray, window: int, kernel: int, budget: int, kv_heads: int):
+    """A port of the authors' ASL_2pass selection when no layer met τ (TANIGUCHIREI/ASL):
+    ``customized_cache.py`` ``sum_attn_cache`` gives the last layer's ranks (window rows' softmax
+    summed, context columns avg-pooled, summed per GQA group and over the KV heads, ranked
+    descending); ``gemfilter_utils.py`` ``get_layer_context_asl`` keeps the ``budget − window``
+    smallest ranks plus the window indices, unique (sorted). ``probs: [hq, w, n]``."""
+    attn = torch.from_numpy(probs)[None]  # [1, hq, w, n]
+    n = attn.shape[-1]
+    summed = attn[..., :-window].sum(dim=-2)  # [1, hq, n - w]
+    pooled = torch.nn.functional.avg_pool1d(summed, kernel_size=kernel, padding=kernel // 2, stride=1)
+    pooled = pooled.view(1, kv_heads, -1, n - window).sum(dim=-2).sum(dim=-2)  # [1, n - w]
+    order = torch.argsort(pooled, dim=1, descending=True)
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(1, n - window + 1)[None])
+    seqlen = n - window
+    k = budget - window if seqlen > budget - window else seqlen
+    top = torch.topk(ranks.float(), k=k, dim=-1, largest=False)[1]
+    return torch.cat([top[-1], torch.arange(seqlen, seqlen + window)]).unique()
+
+
+def test_asl_2pass_fallback_keeps_the_authors_last_layer_top_k_and_runs_pass_2_on_it():
+    model = tiny_model("llama")
+    tok = tiny_tokenizer(True)
+    window, kernel, budget = 8, 7, 40
+    method = make_method("asl-2pass", window=window, kernel=kernel, tau=1e-9)
+    result = kvbudget.generate(model, tok, CONTEXT, "What?", method=method, budget=budget, max_new_tokens=6)
+    ids = torch.tensor([kvbudget.engine.build_prompt(tok, CONTEXT, "What?").ids])
+    probs = _eager_window_probs(model, ids, window)[-1]  # pass 1 ran every layer on every token
+    keep = _authors_asl_2pass_fallback(probs, window, kernel, budget, kv_heads=2)
+    assert ids.shape[1] > budget and keep.numel() == budget
+    assert method.selected[0].tolist() == keep.tolist()
+    assert result.selection_layer == 3 and method.fallback_rows == {0}
+    assert result.budgets.eq(budget).all()
+    with torch.no_grad():  # pass 2 = the model on the kept ids, positions 0..k-1, greedy
+        reference = model.generate(ids[:, keep], max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert result.token_ids == reference[0, budget:].tolist()[: len(result.token_ids)]
+
+
 _MODEL_CACHE: dict = {}
 
 
@@ -309,10 +369,10 @@ def test_eval_rows_record_the_selection_layer(tmp_path):
     assert rows["snapkv"]["selection_layer"] is None
     assert rows["gemfilter"]["budgets"] == [[40, 40]] * 4
     text = write_report(tmp_path).read_text()
-    assert "| asl:window=4,kernel=3,tau=1.5 | 40 | needle_filler | 1: 1 | 1.0 |" in text
-    assert "| gemfilter:kernel=3 | 40 | needle_filler | 2: 1 | 2.0 |" in text
+    assert "| asl:window=4,kernel=3,tau=1.5 | B=40 | needle_filler | 1: 1 | 1.0 |" in text
+    assert "| gemfilter:kernel=3 | B=40 | needle_filler | 2: 1 | 2.0 |" in text
     assert (tmp_path / "selection_layers.png").stat().st_size > 1000
-    assert "| snapkv | 40 |" not in text.split("## Selection layers")[1].split("## Speed")[0]
+    assert "| snapkv | B=40 |" not in text.split("## Selection layers")[1].split("## Speed")[0]
 
 
 @pytest.mark.integration
@@ -343,7 +403,7 @@ def test_prune_methods_on_the_real_model(name, real_model):
         max_new_tokens=12,
     )  # fmt: skip
     layers = model.config.num_hidden_layers
-    if name in ("fastkv", "gemfilter", "pyramidinfer"):
+    if name in ("fastkv", "gemfilter", "pyramidinfer", "asl-2pass"):  # asl-2pass: else the last layer
         assert result.selection_layer is not None
     if name == "pyramidinfer":  # a layer holds what it processed: fewer tokens deeper
         per_layer = result.budgets[:, 0]

@@ -264,11 +264,21 @@ def _finish(
     cache: BudgetCache,
     logits: torch.Tensor | None,
 ) -> tuple[BudgetCache, torch.Tensor, PrefillInputs]:
-    """After the first pass: a two-pass method that selected runs its second pass over the selected
-    tokens (else pass 1 ran every layer on every token: it is the prefill); then the uncompressed
-    question is appended."""
+    """After the first pass: a two-pass method runs its second pass over the selected tokens; then
+    the uncompressed question is appended.
+
+    A two-pass method selects for every row that exceeds its budget (GemFilter at its filter layer;
+    ASL 2-pass at its selection layer, else at the last layer, see
+    :class:`~kvbudget.methods.asl.ASL2Pass`), so every layer ends at the budget. Only when every
+    row fits its budget does pass 1 (every layer on every token) stay the prefill. A row left
+    unselected otherwise is a method bug: a ``RuntimeError``, not a silently full cache.
+    """
     method = _prune_method(session)
     num_layers = model.config.num_hidden_layers
+    targets = session.targets
+    if method.two_pass and targets is not None and not method.scouting_done(targets):
+        rows = [r for r, t in enumerate(targets) if t is not None and r not in method.selected]
+        raise RuntimeError(f"{method.name}: pass 1 selected no tokens for rows {rows} over the budget")
     if method.two_pass and method.selected:
         inputs = _second_pass_inputs(inputs, method.selected)
         method.begin_second_pass()

@@ -61,23 +61,38 @@ class ASL(PruneMethod):
     and ``U`` the union of their top ``k − w`` tokens, ``var = mean_{j∈U} var_layers(X[:, j])``; the
     variance at ``l_min`` is ``V0``. The first layer with ``var / V0 < tau`` is the selection layer:
     its top ``k − w`` tokens plus the window are kept (sorted), the cut happens after the layer's
-    attention and MLP, and deeper layers run on those tokens at their original positions. If no
-    layer qualifies, nothing is pruned. Layers whose cache exceeds the budget are compressed with
-    SnapKV (window ``window``, average pooling ``kernel``, sum over each GQA group, per-head top-k),
-    so every layer's cache is ``k`` (the paper's ASL + SnapKV one-pass setting).
+    attention and MLP, and deeper layers run on those tokens at their original positions. Layers
+    whose cache exceeds the budget are compressed with SnapKV (window ``window``, average pooling
+    ``kernel``, sum over each GQA group, per-KV-head top-k), so every layer's cache is ``k`` (the
+    paper's ASL + SnapKV one-pass setting). If no layer qualifies nothing is cut, and every layer
+    still holds ``k`` through that SnapKV compression — as in the authors' code, where
+    ``customized_cache.py`` ``prefilling_score_update`` returns ``compress_kv``'s per-head indices
+    at every layer whether or not a selection layer was found.
 
     Reference: Taniguchi et al., "Adaptive Layer Selection for Layer-Wise Token Pruning in LLM
-    Inference" (ASL), §4, Algorithms 1–2. Repo: TANIGUCHIREI/ASL.
+    Inference" (ASL), §4, Algorithms 1–2, §5 "Methods" and App. C.2. Repo: TANIGUCHIREI/ASL
+    (``baseline/asl/customized_cache.py``: ``sum_attn_cache``, ``selecting_select_layer``,
+    ``compress_kv``; ``adaptive_select_layer_utils.py``: ``relative_normalized_variance``).
 
     Args:
-        tau: relative-variance threshold (0.3). l_min: first layer tested (-1 → ``layers // 3``).
-        l_obs: layers whose ranks form ``X`` (8). window: observation window, always kept (32).
-        kernel: average-pooling kernel (7).
+        tau: relative-variance threshold (0.3, §5). l_min: first layer tested (-1 → ``layers // 3``:
+            10 of 32 for Llama-3.1-8B and 9 of 28 for Qwen2.5-7B, the paper's §5 values).
+        l_obs: layers whose ranks form ``X`` (8, §5; ``use_layer_num=8`` in the authors' scripts).
+        window: observation window, always kept (32, App. C.2). kernel: average-pooling kernel
+            (7, App. C.2; the authors' scripts run ``pooling=avgpool``).
+
+    GQA: the token score sums the pooled attention over every query head (the authors'
+    ``sum_attn_cache`` sums each GQA group, then the KV heads); the SnapKV cache compression sums
+    each group and keeps a top-k per KV head (their ``compress_kv``). Average pooling divides by
+    the kernel with zero padding (``F.avg_pool1d``'s default, as theirs).
 
     Choices where the paper is silent: ranks are computed from layer ``max(0, l_min − l_obs + 1)``
-    so ``X`` has ``l_obs`` layers at ``l_min`` (fewer in models with few layers); ``V0 = 0`` (ranks
-    identical across those layers) counts as relative variance 0 at later layers when their
-    variance is 0, else infinity. In a batch each row selects its own layer from its own tokens.
+    so ``X`` has ``l_obs`` layers at ``l_min`` (fewer in models with few layers; the authors' code
+    indexes layer ``l_min − l_obs + 1`` and fails below 0); ``V0 = 0`` (ranks identical across
+    those layers) counts as relative variance 0 at later layers when their variance is 0, else
+    infinity (the authors' code divides by it). Ties in scores go to the earlier token (theirs:
+    ``torch.argsort`` / ``topk`` order). In a batch each row selects its own layer from its own
+    tokens (the authors' code runs batch size 1).
     """
 
     name: ClassVar[str] = "asl"
@@ -109,6 +124,8 @@ class ASL(PruneMethod):
         self.initial_variance: list[float | None] = [None] * batch_size
         #: per row, (layer, relative variance) of every tested layer (for inspection and plots)
         self.relative_variances: list[list[tuple[int, float]]] = [[] for _ in range(batch_size)]
+        #: rows where no layer met ``tau`` and the 2-pass variant selected at the last layer
+        self.fallback_rows: set[int] = set()
 
     def score(self, obs: Observation) -> torch.Tensor:
         """SnapKV scores for the cache compression before the selection layer: ``[b, kv_heads, n]``."""
@@ -135,7 +152,10 @@ class ASL(PruneMethod):
             var = rank_variance(torch.stack(cache), k)
             relative = self._relative(r, var)
             self.relative_variances[r].append((layer, relative))
-            if relative < self.tau:
+            fallback = self.two_pass and relative >= self.tau and layer == obs.num_layers - 1
+            if relative < self.tau or fallback:
+                if fallback:
+                    self.fallback_rows.add(r)
                 keep = top_slots(row_scores, context, k)
                 self.request_cut(r, layer, torch.cat([keep, window_slots(obs, r, self.window)]))
                 self.rank_cache[r] = []  # released (Alg. 2 line 12)
@@ -154,7 +174,14 @@ class ASL(PruneMethod):
 class ASLFullKV(ASL):
     """ASL with the full cache before the selection layer (the paper's "Full (before selection) &
     k (after selection)" rows): no SnapKV compression; layers up to the selection layer keep every
-    token, deeper layers the ``k`` selected ones. If no layer is selected the cache stays full."""
+    token, deeper layers the ``k`` selected ones.
+
+    If no layer is selected the cache stays full at every layer. This follows the authors' code:
+    without ``cache_k`` their ``compress_kv`` (``customized_cache.py``) returns ``None``, so
+    ``update`` stores every token, and ``selecting_select_layer`` never sets ``select_idx``, so
+    the decoder layers never cut; no fallback selection exists in their one-pass path. Reports
+    should read such rows as full-cache runs (``selection_layer`` is ``None``).
+    """
 
     name: ClassVar[str] = "asl-fullkv"
     compress_cache: ClassVar[bool] = False
@@ -164,8 +191,16 @@ class ASLFullKV(ASL):
 class ASL2Pass(ASL):
     """ASL with GemFilter's two passes: pass 1 runs until ASL's selection layer (full attention,
     its cache discarded); pass 2 runs the whole model on the selected tokens with re-indexed
-    positions ``0..k−1``, so every layer's cache is ``k``. If no layer is selected, pass 1 (the
-    full model on every token) is the prefill and the cache stays full."""
+    positions ``0..k−1``, so every layer's cache is ``k``.
+
+    If no layer meets ``tau``, pass 1 reaches the last layer and selects there with the same
+    score: its top ``k − w`` tokens plus the window (the row is listed in ``fallback_rows`` and
+    its selection layer is the last one). This is the authors' code: in
+    ``baseline/gemfilter/gemfilter_utils.py`` ``get_layer_context_asl``, when ``select_idx`` is
+    unset, the tokens are the top-k of ``prefilling_score_cache[gemfilter_select_layer]`` (the
+    ranks of the last layer pass 1 ran, set per layer in ``llama_hijack_4_45.py``) plus the
+    window indices, and the second pass runs on them.
+    """
 
     name: ClassVar[str] = "asl-2pass"
     two_pass: ClassVar[bool] = True

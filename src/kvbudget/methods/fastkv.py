@@ -8,7 +8,14 @@ from typing import ClassVar
 import torch
 
 from kvbudget.errors import UnknownMethodError
-from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
+from kvbudget.methods.prune_base import (
+    PruneMethod,
+    check_layer_fraction,
+    context_slots,
+    layer_at_fraction,
+    top_slots,
+    window_slots,
+)
 from kvbudget.observation import Observation
 from kvbudget.scoring import window_scores
 
@@ -18,25 +25,37 @@ class FastKV(PruneMethod):
     """FastKV: token-selective propagation (TSP) at a fixed layer.
 
     Every layer whose cache exceeds the budget is compressed with SnapKV (window ``window``,
-    max pooling ``kernel``, per-head top-k). At the TSP layer the global score is the SnapKV score
-    summed over the KV heads; the top ``tsp_len − window`` context tokens plus the window are kept
-    (sorted) and, after the layer's attention and MLP, deeper layers run on those tokens only, at
-    their original positions.
+    pooling ``pooling`` with kernel ``kernel``, GQA reduction ``reduce_heads``, per-head top-k). At
+    the TSP layer the global score is that SnapKV score summed over the KV heads
+    (``scores: [b, kv_heads, n]`` → ``[b, n]``); the top ``tsp_len − window`` context tokens plus
+    the window are kept (sorted) and, after the layer's attention and MLP, deeper layers run on
+    those tokens only, at their original positions.
 
     Reference: Jo et al., "FastKV: KV Cache Compression for Fast Long-Context Processing with
     Token-Selective Propagation" (arXiv:2502.01068). Repo: dongwonjo/FastKV.
 
     Args:
-        tsp_layer: the token-selection layer (-1 → ``(layers − 1) // 2``, e.g. 15 of 32 as the
-            paper's Llama setting). tsp_len: tokens propagated (0 → the budget, as the ASL paper
-            compares them). window: observation window (8). kernel: max-pooling kernel (7).
+        tsp_layer: the token-selection layer (-1 → ``tsp_layer_fraction``, else
+            ``(layers − 1) // 2``, e.g. 15 of 32 as the paper's Llama setting).
+        tsp_layer_fraction: the TSP layer as a fraction ``f`` of the depth, layer
+            ``floor(f · layers + 0.5)`` (at most the last); -1 (default) = unset. An explicit
+            ``tsp_layer`` ≥ 0 wins. ``fastkv@asl`` sets 0.483 (ASL's 15 of 32 on Llama-3.1-8B and
+            14 of 28 on Qwen2.5-7B).
+        tsp_len: tokens propagated (0 → the budget, as the ASL paper compares them).
+        window: observation window (8). kernel: pooling kernel (7). pooling: ``max`` (default,
+            FastKV's) or ``avg`` (ASL's comparison). reduce_heads: GQA reduction, ``mean``
+            (default), ``sum`` (ASL's comparison; the same ranking per head and after the sum
+            over KV heads) or ``max``.
     """
 
     name: ClassVar[str] = "fastkv"
     paper: ClassVar[str] = "arXiv:2502.01068"
     window: int = 8
     kernel: int = 7
+    pooling: str = "max"
+    reduce_heads: str = "mean"
     tsp_layer: int = -1
+    tsp_layer_fraction: float = -1.0
     tsp_len: int = 0
 
     def validate(self) -> None:
@@ -45,6 +64,13 @@ class FastKV(PruneMethod):
             raise UnknownMethodError(
                 f"{self.name}: tsp_layer must be ≥ 0 (or -1 for the middle), got {self.tsp_layer!r}"
             )
+        check_layer_fraction(self.name, "tsp_layer_fraction", self.tsp_layer_fraction)
+        if self.pooling not in ("max", "avg"):
+            raise UnknownMethodError(f"{self.name}: pooling must be max or avg, got {self.pooling!r}")
+        if self.reduce_heads not in ("mean", "sum", "max"):
+            raise UnknownMethodError(
+                f"{self.name}: reduce_heads must be mean, sum or max, got {self.reduce_heads!r}"
+            )
         if not isinstance(self.tsp_len, int) or self.tsp_len < 0 or 0 < self.tsp_len <= self.window:
             raise UnknownMethodError(
                 f"{self.name}: tsp_len must be 0 (the budget) or > window ({self.window}), "
@@ -52,10 +78,16 @@ class FastKV(PruneMethod):
             )
 
     def selection_layer_for(self, num_layers: int) -> int:
-        return min((num_layers - 1) // 2 if self.tsp_layer < 0 else self.tsp_layer, num_layers - 1)
+        """The TSP layer of a ``num_layers``-layer model (``tsp_layer``, the fraction, or the middle)."""
+        if self.tsp_layer >= 0:
+            return min(self.tsp_layer, num_layers - 1)
+        if self.tsp_layer_fraction >= 0:
+            return layer_at_fraction(self.tsp_layer_fraction, num_layers)
+        return (num_layers - 1) // 2
 
     def score(self, obs: Observation) -> torch.Tensor:
-        return window_scores(obs, self.window, self.kernel, "max", "sum", "mean")
+        """SnapKV's window score: ``[b, kv_heads, n]``."""
+        return window_scores(obs, self.window, self.kernel, self.pooling, "sum", self.reduce_heads)
 
     def observe_layer(self, obs: Observation, targets: list[int | None]) -> None:
         if obs.layer_idx != self.selection_layer_for(obs.num_layers):

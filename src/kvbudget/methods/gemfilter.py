@@ -8,7 +8,14 @@ from typing import ClassVar
 import torch
 
 from kvbudget.errors import UnknownMethodError
-from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
+from kvbudget.methods.prune_base import (
+    PruneMethod,
+    check_layer_fraction,
+    context_slots,
+    layer_at_fraction,
+    top_slots,
+    window_slots,
+)
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys
 
@@ -36,7 +43,11 @@ class GemFilter(PruneMethod):
     with 1000x Input Token Reduction" (arXiv:2409.17422). Repo: SalesforceAIResearch/GemFilter.
 
     Args:
-        filter_layer: -1 → ``round(0.4 · layers)`` (13 of 32, the paper's Llama 3.1 setting).
+        filter_layer: -1 → ``filter_layer_fraction``, else ``round(0.4 · layers)`` (13 of 32, the
+            paper's Llama 3.1 setting).
+        filter_layer_fraction: the filter layer as a fraction ``f`` of the depth, layer
+            ``floor(f · layers + 0.5)`` (at most the last); -1 (default) = unset. An explicit
+            ``filter_layer`` ≥ 0 wins. ``gemfilter@asl`` sets 0.5 (ASL's 14 of 28 on Qwen2.5-7B).
         kernel: average-pooling kernel (5).
         window: last prompt tokens always kept (1). The authors' top-k runs over every token and
             usually contains the last one; keeping it always makes generation continue from the
@@ -49,6 +60,7 @@ class GemFilter(PruneMethod):
     window: int = 1
     kernel: int = 5
     filter_layer: int = -1
+    filter_layer_fraction: float = -1.0
 
     def validate(self) -> None:
         super().validate()
@@ -56,9 +68,15 @@ class GemFilter(PruneMethod):
             raise UnknownMethodError(
                 f"{self.name}: filter_layer must be ≥ 0 (or -1 for 0.4·layers), got {self.filter_layer!r}"
             )
+        check_layer_fraction(self.name, "filter_layer_fraction", self.filter_layer_fraction)
 
     def selection_layer_for(self, num_layers: int) -> int:
-        return min(round(0.4 * num_layers) if self.filter_layer < 0 else self.filter_layer, num_layers - 1)
+        """The filter layer of a ``num_layers``-layer model (``filter_layer``, the fraction, or 0.4)."""
+        if self.filter_layer >= 0:
+            return min(self.filter_layer, num_layers - 1)
+        if self.filter_layer_fraction >= 0:
+            return layer_at_fraction(self.filter_layer_fraction, num_layers)
+        return min(round(0.4 * num_layers), num_layers - 1)
 
     def observe_layer(self, obs: Observation, targets: list[int | None]) -> None:
         if obs.layer_idx != self.selection_layer_for(obs.num_layers):

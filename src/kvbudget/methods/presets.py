@@ -19,12 +19,36 @@ from kvbudget.errors import UnknownMethodError
 #: preset → method → options (the comparing paper's settings for that baseline)
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # --- asl: ASL's comparison settings (entries below) ---
+    # App. C.2: "The selection layer for FastKV is 15 for Llama-3.1-8B-UL and 14 for Qwen2.5-7B. The
+    # selection layer for GemFilter is 13 for Llama-3.1-8B-UL and 14 for Qwen2.5-7B. For 1D average
+    # pooling in SnapKV and ASL, window size = 32 and kernel size = 7." Layers as a fraction f of
+    # the depth, layer floor(f·L + 0.5): FastKV's 15 of 32 and 14 of 28 both follow from any f in
+    # [13.5/28, 15.5/32) = [0.4821, 0.4844); 0.483 is used. GemFilter's 13 of 32 and 14 of 28 have
+    # no common fraction: 0.5 gives Qwen2.5's 14 of 28 (and 16 of 32); Llama's 13 of 32 is plain
+    # gemfilter's own default (0.4·L). FastKV in ASL's comparison is their own code path
+    # (TANIGUCHIREI/ASL baseline/asl/customized_cache.py, layer_th unset): SnapKV compression per KV
+    # head before the TSP layer (compress_kv: window 32, avg-pool 7, each GQA group summed) and at
+    # the TSP layer the top select_k − window by that score summed over all heads (sum_attn_cache)
+    # plus the window, select_k = the KV budget (eval/*/run_*.sh). GemFilter there keeps its own
+    # scorer (gemfilter_utils.py find_context: last query, heads summed, avg-pool 5).
+    "asl": {
+        "snapkv": {"window": 32, "kernel": 7, "pooling": "avg", "reduce_heads": "sum"},
+        "fastkv": {
+            "window": 32,
+            "kernel": 7,
+            "pooling": "avg",
+            "reduce_heads": "sum",
+            "tsp_layer_fraction": 0.483,
+        },
+        "gemfilter": {"filter_layer_fraction": 0.5},
+    },
     # --- lava: LAVa's Appendix D settings (entries below) ---
 }
 
 #: preset → where its settings come from (shown by ``kvbudget methods``)
 PRESET_SOURCES: dict[str, str] = {
     # --- sources (one line per preset) ---
+    "asl": "ASL (Taniguchi et al.) App. C.2 + authors' code (GQA sum); FastKV 15/32, 14/28; GemFilter 14/28",
 }
 
 

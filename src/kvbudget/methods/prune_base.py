@@ -17,12 +17,13 @@ layer's cache slots and the hidden-state columns coincide when the method is cal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import InputError
+from kvbudget.errors import InputError, UnknownMethodError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
@@ -95,6 +96,21 @@ class PruneMethod(Method):
         ):
             return obs.layer.head_lengths().cpu()
         return super().compress(obs, targets)
+
+
+def layer_at_fraction(fraction: float, num_layers: int) -> int:
+    """The layer index a depth fraction names: ``fraction · num_layers`` rounded half up, at most the
+    last layer (0.5 → 14 of 28 and 16 of 32; 0.4 → 13 of 32)."""
+    return min(math.floor(fraction * num_layers + 0.5), num_layers - 1)
+
+
+def check_layer_fraction(method: str, option: str, value: object) -> None:
+    """A layer-fraction option is -1 (unset) or a number in [0, 1]; else :class:`UnknownMethodError`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (value == -1 or 0 <= value <= 1):
+        raise UnknownMethodError(
+            f"{method}: {option} must be in [0, 1] (a fraction of the layers) or -1 (unset), got {value!r}"
+        )
 
 
 def context_slots(obs: Observation, row: int, window: int) -> torch.Tensor:

@@ -8,17 +8,21 @@ rotary embedding at positions counted here; pseudo tokens re-decoded on a SnapKV
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
-from transformers import AttentionInterface
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvbudget
-from conftest import tiny_model
+from conftest import TINY, tiny_model
 from kvbudget.engine import build_prompt, prefill, prefill_inputs
 from kvbudget.errors import BudgetError, UnknownMethodError
-from kvbudget.methods.lookahead import LookaheadObservation
+from kvbudget.eval.runner import MethodSpec
+from kvbudget.methods.lookahead import LookaheadObservation, QueryCapture, QueryHeadLayer
 from kvbudget.methods.registry import make_method
 from kvbudget.session import CompressionSession
 from test_reference_selection import (
@@ -321,11 +325,13 @@ def test_timings_split_the_lookahead_and_the_reselection(llama, chat_tokenizer):
         ({"steps": 0}, "steps=0"),
         ({"steps": -1}, "steps"),
         ({"lookahead_budget": -5}, "lookahead_budget"),
+        ({"budget_per": "kv"}, "budget_per must be one of kv-head, query-head, got 'kv'"),
     ],
 )
 def test_bad_options_are_named(options, match):
-    with pytest.raises(UnknownMethodError, match=match):
+    with pytest.raises(UnknownMethodError, match=match) as err:
         make_method("laq", **options)
+    assert "\n" not in str(err.value)
 
 
 def test_lookahead_budget_below_the_clone_method_minimum_is_refused(llama, chat_tokenizer):
@@ -361,3 +367,275 @@ def test_every_lookahead_method_gives_a_budgeted_cache(lookahead_method, llama, 
     )
     assert method.last_lookahead.tokens.shape[1] == 4
     assert result.cache_stats_after.entries.eq(30).all()
+
+
+# ---------------------------------------------------------------------------------- budget_per
+# The authors' granularity (budget_per="query-head"): noforit/Lookahead_Q-Cache repeats the KV heads
+# to the query heads (repeat_kv) before caching, so the clone's SnapKV (update_kv) and the
+# re-selection (update_kv_LAQ) take a top-B per query head over that head's own scores.
+QH_OPTIONS = {"steps": 4, "lookahead_window": 4}  # kernel 7, max pooling: the authors' settings
+
+
+def query_head_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int) -> list[Choice]:
+    """Eq. 4–5 per *query* head (no GQA reduction): query head ``qh`` scores the first ``N − w2``
+    keys of KV head ``qh // G`` and keeps its own top ``BUDGET − w2`` plus the last ``w2``."""
+    q, k = fx.nq, fx.nk
+    out = []
+    for qh in range(HQ):
+        rows = [q[qh, i] for i in range(N - w2, N)] + [pseudo[qh, t] for t in range(pseudo.shape[1])]
+        cols = [0.0] * (N - w2)
+        for r, query in enumerate(rows):
+            visible = N - w2 + r + 1 if r < w2 else N
+            probs = attention_row(query, k[qh // G], list(range(visible)))
+            for j in range(min(visible, N - w2)):
+                cols[j] += probs[j]
+        out.append(top_k(pool(cols, kernel, "max"), BUDGET - w2) | set(range(N - w2, N)))
+    return out
+
+
+@pytest.mark.parametrize(("name", "w2", "seed"), [("laq", 0, 11), ("laq", 0, 37), ("laq++", 4, 13)])
+def test_query_head_layer_keeps_each_query_heads_own_top_b(name, w2, seed):
+    fx = Fixture.make(seed)
+    pseudo = 2.0 * torch.randn(1, HQ, 3, D, generator=torch.Generator().manual_seed(100 + seed))
+    layer = QueryHeadLayer.repeated(fx.layer(), G)
+    assert layer.num_heads == HQ
+    obs = LookaheadObservation(
+        0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo,
+        pseudo_valid=torch.ones(1, 3, dtype=torch.bool),
+    )  # fmt: skip
+    kept = make_method(name, window=w2, kernel=3, budget_per="query-head").compress(obs, targets=[BUDGET])
+    assert kept[0].tolist() == [BUDGET] * HQ
+    expected = query_head_reference(fx, pseudo[0].double().numpy(), w2, 3)
+    for qh in range(HQ):
+        k, v, pos = layer.head(qh)
+        held = pos[0].tolist()
+        assert held == sorted(set(held)) and expected[qh].admits(set(held)), (qh, held, expected[qh])
+        np.testing.assert_array_equal(k[0].double().numpy(), fx.nk[qh // G, held])
+        np.testing.assert_array_equal(v[0].double().numpy(), fx.nv[qh // G, held])
+    # the query heads of a group really keep different entries, and the kv-head scores would not
+    assert any(not expected[2 * h].compatible(expected[2 * h + 1]) for h in range(H))
+    averaged = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3)
+    assert any(not expected[qh].compatible(_keep(averaged, w2)[qh // G]) for qh in range(HQ))
+
+
+@contextmanager
+def reference_attention(model, kept=None, start: int = 0, record: dict | None = None):
+    """Run ``model`` (no cache, the whole sequence) with an eager float64 attention: causal before
+    ``start``; the query of query head ``qh`` at a position ``p ≥ start`` sees only the prompt
+    positions ``kept[layer][qh]`` and ``start .. p``. ``record[layer]``: the post-RoPE (query, key,
+    value) of the layer's last call."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer, hq, q, n = module.layer_idx, query.shape[1], query.shape[2], key.shape[2]
+        if record is not None:
+            record[layer] = (query, key, value)
+        group = hq // key.shape[1]
+        logits = query.double() @ key.double().repeat_interleave(group, 1).transpose(-1, -2) * scaling
+        allowed = torch.ones(q, n, dtype=torch.bool).tril(n - q).expand(hq, q, n).clone()
+        if kept is not None:
+            for qh in range(hq):
+                row = torch.zeros(n, dtype=torch.bool)
+                row[kept[layer][qh]] = True
+                row[start:] = True
+                allowed[qh, start - (n - q) :] &= row
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        out = probs @ value.double().repeat_interleave(group, 1)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    kvbudget.detach(model)
+    AttentionInterface.register("laq_query_head_reference", attention)
+    model.set_attn_implementation("laq_query_head_reference")
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def snapkv_per_query_head(query: torch.Tensor, key: torch.Tensor, scale: float, window: int, budget: int):
+    """The authors' ``SnapKVCluster.update_kv`` on repeated heads: per query head, the last ``window``
+    queries' causal softmax over the keys of its KV head, summed over the rows, max-pooled (kernel 7)
+    over the first ``n − window`` keys; top ``budget − window`` plus the window. ``query: [hq, n, d]``,
+    ``key: [kv_heads, n, d]`` (float64)."""
+    hq, n = query.shape[0], key.shape[1]
+    group = hq // key.shape[0]
+    out = []
+    for qh in range(hq):
+        cols = torch.zeros(n - window, dtype=torch.float64)
+        for i in range(n - window, n):
+            cols += torch.softmax(query[qh, i] @ key[qh // group, : i + 1].T * scale, dim=-1)[: n - window]
+        pooled = F.max_pool1d(cols[None, None], 7, stride=1, padding=3)[0, 0]
+        out.append(top_k(pooled.tolist(), budget - window) | set(range(n - window, n)))
+    return out
+
+
+def laq_per_query_head(pseudo: torch.Tensor, key: torch.Tensor, scale: float, budget: int, average=False):
+    """The authors' ``update_kv_LAQ`` (window 0) on repeated heads: per query head, the softmax of
+    the pseudo queries over the prompt keys of its KV head, summed over the rows, max-pooled (kernel
+    7), top ``budget``; no GQA reduction. ``pseudo: [hq, m, d]``, ``key: [kv_heads, n, d]`` (float64).
+    ``average`` (ours, kv-head: only to show the fixture tells them apart): mean over each group."""
+    hq = pseudo.shape[0]
+    group = hq // key.shape[0]
+    scores = [torch.softmax(pseudo[qh] @ key[qh // group].T * scale, dim=-1).sum(0) for qh in range(hq)]
+    if average:
+        groups = [torch.stack(scores[h * group : (h + 1) * group]).mean(0) for h in range(hq // group)]
+        scores = [groups[qh // group] for qh in range(hq)]
+    return [top_k(F.max_pool1d(s[None, None], 7, stride=1, padding=3)[0, 0].tolist(), budget) for s in scores]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_query_head_laq_end_to_end_matches_the_authors_selection(kind, monkeypatch):
+    """laq with budget_per="query-head" on a GQA model: the clone is SnapKV per query head, the pseudo
+    tokens and queries are those of greedy decoding where each query head reads its own clone
+    entries, and each query head of the final cache keeps its own top-B of the pseudo attention."""
+    model = tiny_model(kind)
+    n, budget = PROMPT_IDS.shape[1], 24
+    config = model.config
+    hq, kv = config.num_attention_heads, config.num_key_value_heads
+    g, layers, scale = hq // kv, config.num_hidden_layers, model.model.layers[0].self_attn.scaling
+    clone: dict[int, tuple[type, list[torch.Tensor]]] = {}  # each clone layer at the first pseudo step
+    original = QueryCapture.after_attention
+
+    def spy(self, layer_idx, query, layer, scaling, layers=None):
+        if self.capturing and layer_idx not in clone:
+            clone[layer_idx] = (type(layer), [layer.head(h)[2][0].clone() for h in range(layer.num_heads)])
+        return original(self, layer_idx, query, layer, scaling, layers)
+
+    monkeypatch.setattr(QueryCapture, "after_attention", spy)
+    method = MethodSpec.parse("laq:budget_per=query-head,steps=4,lookahead_window=4").build()
+    cache = kvbudget.compress(model, PROMPT_IDS, method=method, budget=budget)
+    record = method.last_lookahead
+    prompt: dict = {}
+    with reference_attention(model, record=prompt):
+        full_logits = model(PROMPT_IDS).logits[0, -1]
+    # 1. the clone: SnapKV (window 4) per query head, on the repeated full cache
+    for i in range(layers):
+        layer_type, heads = clone[i]
+        assert layer_type is QueryHeadLayer and len(heads) == hq
+        q, k, _ = prompt[i]
+        expected = snapkv_per_query_head(q[0].double(), k[0].double(), scale, 4, budget)
+        for qh in range(hq):
+            assert expected[qh].admits(set(heads[qh][heads[qh] < n].tolist())), (i, qh)
+    # 2. the pseudo tokens and their queries: each query head attends to its own clone entries
+    kept_clone = {i: [p[p < n] for p in heads] for i, (_, heads) in clone.items()}
+    tokens = [int(full_logits.argmax())]
+    decoded: dict = {}
+    with reference_attention(model, kept_clone, start=n, record=decoded):
+        for _ in range(4):
+            logits = model(torch.cat([PROMPT_IDS, torch.tensor([tokens])], 1)).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    assert record.tokens[0].tolist() == tokens[:4]
+    for i in range(layers):
+        torch.testing.assert_close(record.queries[i], decoded[i][0][:, :, n:], atol=1e-4, rtol=1e-4)
+    # 3. the re-selection: each query head keeps its own top-B, with its KV head's keys and values
+    tells_apart = False
+    for i, layer in enumerate(cache.layers):
+        assert isinstance(layer, QueryHeadLayer) and layer.num_heads == hq
+        _, k, v = prompt[i]
+        pseudo = record.queries[i][0].double()
+        expected = laq_per_query_head(pseudo, k[0].double(), scale, budget)
+        averaged = laq_per_query_head(pseudo, k[0].double(), scale, budget, average=True)
+        tells_apart |= any(not a.compatible(b) for a, b in zip(expected, averaged, strict=True))
+        for qh in range(hq):
+            keys, values, pos = layer.head(qh)
+            held = pos[0].tolist()
+            assert held == sorted(set(held)) and expected[qh].admits(set(held)), (i, qh, held)
+            torch.testing.assert_close(keys[0], k[0, qh // g, held])
+            torch.testing.assert_close(values[0], v[0, qh // g, held])
+    assert tells_apart, "the kv-head (group-averaged) selection is not told apart by this fixture"
+    # 4. accounting: g·B entries per KV group; the kv-head default holds B
+    stats = cache.stats()
+    assert tuple(stats.entries.shape) == (layers, hq) and stats.entries.eq(budget).all()
+    assert tuple(cache.session.budgets.shape) == (1, layers, hq) and cache.session.budgets.eq(budget).all()
+    entry_bytes = 2 * model.model.layers[0].self_attn.head_dim * 4  # fp32 key + value
+    assert stats.logical_bytes == layers * hq * budget * entry_bytes
+    default = kvbudget.compress(model, PROMPT_IDS, method=make_method("laq", **QH_OPTIONS), budget=budget)
+    assert tuple(default.stats().entries.shape) == (layers, kv)
+    assert stats.logical_bytes == g * default.stats().logical_bytes
+    assert stats.physical_bytes == g * default.stats().physical_bytes
+
+
+@pytest.mark.parametrize("name", ["laq", "laq++", "laq-ada"])
+def test_query_head_cache_decodes_each_query_head_over_its_own_entries(name):
+    """Decode steps on a query-head cache (rectangular, or per head for laq-ada) append each new
+    token to every query head, and each query head attends to exactly its own entries."""
+    model = tiny_model("qwen2")
+    n, hq = PROMPT_IDS.shape[1], model.config.num_attention_heads
+    g = hq // model.config.num_key_value_heads
+    method = make_method(name, budget_per="query-head", **QH_OPTIONS)
+    cache = kvbudget.compress(model, PROMPT_IDS, method=method, budget=24)
+    kept = {i: [layer.head(h)[2][0].clone() for h in range(hq)] for i, layer in enumerate(cache.layers)}
+    if name == "laq-ada":  # per-head budgets: the per-head layout's append and attention
+        assert any(layer.is_ragged for layer in cache.layers)
+    before = cache.stats().entries.clone()
+    tokens, got = method.last_lookahead.tokens[:, :1], []
+    with torch.no_grad():
+        for _ in range(3):
+            logits = model(tokens[:, -1:], past_key_values=cache).logits[0, -1]
+            got.append(logits)
+            tokens = torch.cat([tokens, logits.argmax().view(1, 1)], 1)
+    assert cache.get_seq_length() == n + 3
+    assert torch.equal(cache.stats().entries, before + 3)
+    record: dict = {}
+    with reference_attention(model, kept, start=n, record=record):
+        for step in range(3):
+            reference = model(torch.cat([PROMPT_IDS, tokens[:, : step + 1]], 1)).logits[0, -1]
+            gap = (got[step] - reference).abs().max()
+            assert torch.allclose(got[step], reference, atol=1e-4), (step, gap)
+    for i, layer in enumerate(cache.layers):
+        _, key, value = record[i]  # the reference's keys of positions n .. n + 2
+        for qh in range(hq):
+            k, v, pos = layer.head(qh)
+            assert pos[0, -3:].tolist() == [n, n + 1, n + 2]
+            torch.testing.assert_close(k[0, -3:], key[0, qh // g, n:])
+            torch.testing.assert_close(v[0, -3:], value[0, qh // g, n:])
+
+
+def test_query_head_counts_query_heads_for_prompts_that_fit(llama, chat_tokenizer):
+    """A prompt within its budget is held per query head too (the authors' cache always is), alone
+    or beside an evicted one; it answers as the default does (nothing is evicted)."""
+    layers, hq = llama.config.num_hidden_layers, llama.config.num_attention_heads
+    method = make_method("laq++", budget_per="query-head", **QH_OPTIONS)
+    long, short = kvbudget.generate(
+        llama, chat_tokenizer, [CONTEXT, "A cat."], QUESTION, method=method, budget=60, max_new_tokens=4
+    )
+    assert long.prompt_tokens > 60 >= short.prompt_tokens
+    for result, entries in ((long, 60), (short, short.prompt_tokens)):
+        assert tuple(result.cache_stats_after.entries.shape) == (layers, hq)
+        assert result.cache_stats_after.entries.eq(entries).all()
+        assert tuple(result.budgets.shape) == (layers, hq) and result.budgets.eq(entries).all()
+    alone, default = (
+        kvbudget.generate(
+            llama, chat_tokenizer, "A cat.", QUESTION, budget=60, max_new_tokens=6,
+            method=make_method("laq++", budget_per=per, **QH_OPTIONS),
+        )
+        for per in ("query-head", "kv-head")
+    )  # fmt: skip
+    assert alone.cache_stats_after.entries.eq(short.prompt_tokens).all()
+    assert tuple(alone.cache_stats_after.entries.shape) == (layers, hq)
+    assert tuple(default.cache_stats_after.entries.shape) == (layers, llama.config.num_key_value_heads)
+    assert alone.cache_stats_after.logical_bytes == 2 * default.cache_stats_after.logical_bytes
+    assert alone.token_ids == default.token_ids
+
+
+def test_without_gqa_both_granularities_are_the_same(chat_tokenizer):
+    torch.manual_seed(0)
+    options = {**TINY, "num_key_value_heads": TINY["num_attention_heads"]}  # no GQA
+    config = LlamaConfig(**options, initializer_range=0.2)
+    model = LlamaForCausalLM(config).eval()
+    kv, query = (
+        kvbudget.generate(
+            model, chat_tokenizer, CONTEXT, QUESTION, budget=30, max_new_tokens=8, return_cache=True,
+            method=make_method("laq++", budget_per=per, **QH_OPTIONS),
+        )
+        for per in ("kv-head", "query-head")
+    )  # fmt: skip
+    assert kv.prompt_tokens > 30  # the budget really evicts
+    assert kv.token_ids == query.token_ids
+    assert torch.equal(kv.budgets, query.budgets)
+    assert torch.equal(kv.cache_stats_after.entries, query.cache_stats_after.entries)
+    for a, b in zip(kv.cache.layers, query.cache.layers, strict=True):
+        assert a.num_heads == b.num_heads == config.num_attention_heads
+        for h in range(a.num_heads):
+            assert torch.equal(a.head(h)[2], b.head(h)[2])
+            assert torch.equal(a.head(h)[0], b.head(h)[0])

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvbudget.cache import BudgetCache
-from kvbudget.errors import BudgetError, UnknownMethodError
+from kvbudget.cache import BudgetCache, BudgetLayer
+from kvbudget.errors import BudgetError, KVBudgetError, UnknownMethodError
 from kvbudget.methods.ada_snapkv import AdaSnapKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.lava import LAVa
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 LOOKAHEAD_METHODS = ("snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "streamingllm", "full")
 #: of those, the ones whose observation window ``lookahead_window`` sets
 WINDOWED_LOOKAHEAD = ("snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv")
+#: what a budget counts: entries per KV head (ours, the default) or per query head (the authors' code)
+BUDGET_GRANULARITIES = ("kv-head", "query-head")
 
 
 @dataclass
@@ -97,6 +99,61 @@ class LookaheadObservation(Observation):
         return probs
 
 
+class QueryHeadLayer(BudgetLayer):
+    """A layer that stores one head per *query* head: the authors' cache granularity on GQA models.
+
+    Head ``j`` starts as a copy of KV head ``j // group`` (``repeat_kv``'s order), so each of a
+    group's query heads can keep its own selection and attends to exactly that; every token
+    appended later has its KV heads repeated the same way. Any layout and accounting of
+    :class:`~kvbudget.cache.BudgetLayer` applies with ``q_heads`` heads: ``keys: [b, q_heads, n, d]``
+    (rectangular) or ``q_heads`` per-head tensors, and ``logical_entries()`` counts ``[q_heads]``.
+    The ``kvbudget`` attention serves it unchanged (it groups query heads by the layer's own head
+    count, here one query head per stored head); a model's own attention would repeat the heads
+    again and fail on the shapes, so the model must stay attached (``kvbudget.compress`` and
+    ``generate`` attach it).
+
+    Args:
+        group: query heads per KV head (``g = q_heads / kv_heads``).
+    """
+
+    def __init__(self, group: int) -> None:
+        super().__init__()
+        self.group = group
+
+    @classmethod
+    def repeated(cls, layer: BudgetLayer, group: int) -> QueryHeadLayer:
+        """A new layer whose head ``j`` holds ``layer``'s KV head ``j // group`` (a copy, ``group``
+        times the layer's bytes); ``layer`` (rectangular: ``keys: [b, kv_heads, n, d]``) is not changed."""
+        if layer.is_ragged:
+            raise KVBudgetError("only a rectangular (uncompressed) layer can be repeated to its query heads")
+        new = cls(group)
+        new.__dict__.update(layer.__dict__)
+        new.group = group
+        new.keys = layer.keys.repeat_interleave(group, dim=1)
+        new.values = layer.values.repeat_interleave(group, dim=1)
+        new.positions = layer.positions.repeat_interleave(group, dim=1)
+        new.state = {name: s.repeat_interleave(group, dim=1) for name, s in layer.state.items()}
+        new._release_storage()
+        return new
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[b, kv_heads, q, d]`` states, each KV head repeated to its ``group`` query heads."""
+        return super().update(
+            key_states.repeat_interleave(self.group, dim=1),
+            value_states.repeat_interleave(self.group, dim=1),
+            *args,
+            **kwargs,
+        )
+
+    def shallow_copy(self) -> QueryHeadLayer:
+        layer = QueryHeadLayer(self.group)
+        layer.__dict__.update(self.__dict__)
+        layer.state = dict(self.state)
+        return layer
+
+
 class QueryCapture(CompressionSession):
     """The lookahead clone's session: compresses like any session and, while ``capturing``,
     appends each layer's post-RoPE queries to ``captured[layer]``."""
@@ -139,6 +196,31 @@ class LookaheadMixin:
             :data:`LOOKAHEAD_METHODS`; ``full`` decodes on the uncompressed clone).
         lookahead_budget: the clone's budget in entries per head (0 = the main budget or ratio).
         lookahead_window: observation window of a windowed lookahead method (32, SnapKV's).
+        budget_per: what the budget ``B`` counts, ``"kv-head"`` (default) or ``"query-head"``.
+
+    Budget granularity (``budget_per``). The paper (Eq. 4–5) keeps "the top ``B``" without naming
+    the head it counts per. The authors' code repeats the KV heads to the query heads before caching
+    (``repeat_kv`` before the cache update in ``LlamaFlashAttention2_forward_LAQ``,
+    ``pyramidkv/llama_model.py``; the same in ``mistral_model.py`` and ``qwen2_model.py``), so
+    both the clone's SnapKV (``select_KV_lookahead_stage``) and the re-selection
+    (``SnapKVCluster.update_kv_LAQ``, ``pyramidkv/pyramidkv_utils.py``) take a top-``k`` per
+    *query* head over that head's own scores (no GQA reduction) and each query head attends to
+    its own ``B`` entries — ``g = q_heads / kv_heads`` times the memory of ``B`` per KV head (4× on
+    Llama-3.1-8B and Mistral-7B, 7× on Qwen2.5-7B, 3× on SmolLM2-135M; the code's baselines repeat
+    too). ``"kv-head"`` (ours, the default): each KV head keeps ``B`` entries scored by its GQA
+    group's reduction (``reduce_heads``) — the same memory as every other method here at the same
+    budget, the fair comparison. ``"query-head"`` reproduces the authors' granularity exactly: each
+    layer is replaced by a :class:`QueryHeadLayer` (its KV heads repeated to the query heads) right
+    before it is compressed, in the clone and in the re-selection, so any scorer and allocator runs
+    with one query head per head (``reduce_heads`` then has nothing to reduce); the final cache and
+    its accounting (``stats().entries: [layers, q_heads]``, logical bytes) hold ``g·B`` entries per
+    KV group. Repeating costs ``g`` times one layer's full cache at a time, on top of the full
+    cache (the authors' code holds the repeated full cache of every layer). A prompt that fits its
+    budget is repeated too (``g·n`` entries, ``n ≤ B``), as the authors' cache would hold it, so
+    every prompt's stats and ``budgets`` count query heads; the lookahead clone is repeated only
+    when its method evicts something (its pseudo tokens are the same either way). Decode steps
+    append each new token's KV heads repeated to the query heads (:meth:`QueryHeadLayer.update`).
+    On a model without GQA (``g = 1``) both settings run the very same code.
     """
 
     stages: ClassVar[tuple[str, ...]] = ("lookahead",)
@@ -147,6 +229,7 @@ class LookaheadMixin:
     lookahead_method: str = "snapkv"
     lookahead_budget: int = 0
     lookahead_window: int = 32
+    budget_per: str = "kv-head"
 
     def validate(self) -> None:
         super().validate()
@@ -154,6 +237,11 @@ class LookaheadMixin:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UnknownMethodError(f"{self.name}: option {name} must be an integer ≥ 0, got {value!r}")
+        if self.budget_per not in BUDGET_GRANULARITIES:
+            raise UnknownMethodError(
+                f"{self.name}: budget_per must be one of {', '.join(BUDGET_GRANULARITIES)}, "
+                f"got {self.budget_per!r}"
+            )
         if self.lookahead_method not in LOOKAHEAD_METHODS:
             raise UnknownMethodError(
                 f"{self.name}: lookahead_method must be one of {', '.join(LOOKAHEAD_METHODS)}, "
@@ -198,6 +286,18 @@ class LookaheadMixin:
         look = self.lookahead()
         return max(1, self.window, look.window if self.lookahead_method in WINDOWED_LOOKAHEAD else 0)
 
+    def repeat_group(self, layer: BudgetLayer, q_heads: int) -> int:
+        """How many times to repeat each of ``layer``'s heads for a model of ``q_heads`` query heads:
+        ``q_heads / kv_heads`` for ``budget_per="query-head"``, else 1 (keep the layer as it is)."""
+        return 1 if self.budget_per == "kv-head" else q_heads // layer.num_heads
+
+    @staticmethod
+    def to_query_heads(cache: BudgetCache, layer_idx: int, group: int) -> None:
+        """Replace ``cache``'s layer ``layer_idx`` (rectangular, ``[b, kv_heads, n, d]``) by its
+        :class:`QueryHeadLayer` (``[b, kv_heads · group, n, d]``) and account its size."""
+        cache.layers[layer_idx] = QueryHeadLayer.repeated(cache.layers[layer_idx], group)
+        cache.note_memory(layer_idx)
+
     # ------------------------------------------------------------------ the stage
     @torch.inference_mode()
     def run_lookahead(
@@ -211,7 +311,15 @@ class LookaheadMixin:
     ) -> None:
         """Look ahead on a compressed clone, then re-select ``cache`` with the pseudo queries."""
         session = cache.session
-        if all(t is None for t in session.targets):  # every prompt fits its budget: nothing to do
+        if all(t is None for t in session.targets):  # every prompt fits its budget: nothing to select
+            q_heads = session.recorded_queries[0].shape[1]
+            group = self.repeat_group(cache.layers[0], q_heads)
+            if group > 1:  # the authors' cache holds query heads whatever the prompt's length
+                layers = len(cache.layers)
+                session.budgets = torch.zeros((session.budgets.shape[0], layers, q_heads), dtype=torch.long)
+                for layer_idx in range(layers):
+                    self.to_query_heads(cache, layer_idx, group)
+                    session.budgets[:, layer_idx] = cache.layers[layer_idx].head_lengths().cpu()
             session.recorded_queries.clear()
             return
         start = time.perf_counter()
@@ -252,10 +360,18 @@ class LookaheadMixin:
         clone = BudgetCache(num_layers, capture)
         clone.attention_attached = True
         clone.layers = [layer.shallow_copy() for layer in cache.layers]
-        for layer_idx, layer in enumerate(clone.layers):  # compress the clone as its prefill would have
+        group = self.repeat_group(cache.layers[0], session.recorded_queries[0].shape[1])
+        if group > 1:  # repeat the clone's heads only if it evicts anything
+            capture.resolve(cache.layers[0].head_lengths()[:, 0].cpu())
+            if self.lookahead_method == "full" or all(t is None for t in capture.targets):
+                group = 1
+        for layer_idx in range(num_layers):  # compress the clone as its prefill would have
+            if group > 1:  # one layer at a time: at most one repeated full layer exists
+                clone.layers[layer_idx] = QueryHeadLayer.repeated(clone.layers[layer_idx], group)
             capture.after_attention(
-                layer_idx, session.recorded_queries[layer_idx], layer, session.scaling, clone.layers
-            )
+                layer_idx, session.recorded_queries[layer_idx], clone.layers[layer_idx], session.scaling,
+                clone.layers,
+            )  # fmt: skip
         capture.phase, capture.capturing = "decode", True
         device = logits.device
         stop = torch.tensor(sorted(eos), dtype=torch.long, device=device)
@@ -295,11 +411,20 @@ class LookaheadMixin:
 
         Runs this method's own compression (scorer, allocators, selector; cascading re-eviction
         for cascading bases) layer by layer, as its prefill would, then drops the recorded queries.
+        With ``budget_per="query-head"`` each layer is first replaced by its :class:`QueryHeadLayer`
+        and ``session.budgets`` becomes ``[b, layers, q_heads]``.
         """
         session = cache.session
         num_layers = len(cache.layers)
-        for layer_idx, layer in enumerate(cache.layers):
+        q_heads = session.recorded_queries[0].shape[1]
+        group = self.repeat_group(cache.layers[0], q_heads)
+        if group > 1:
+            session.budgets = torch.zeros((session.budgets.shape[0], num_layers, q_heads), dtype=torch.long)
+        for layer_idx in range(num_layers):
             recorded = session.recorded_queries[layer_idx]
+            if group > 1:  # the repeated full layer counts toward the peak
+                self.to_query_heads(cache, layer_idx, group)
+            layer = cache.layers[layer_idx]
             w2 = min(self.window, recorded.shape[2])
             obs = LookaheadObservation(
                 layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
@@ -321,7 +446,9 @@ class LAQ(LookaheadMixin, SnapKV):
 
     Score (SnapKV's form): the attention of the ``n`` pseudo queries over all prompt keys (softmax
     over the prompt's keys, fp32), summed over the pseudo rows, averaged over each GQA group,
-    max-pooled (kernel 7) along the keys; each head keeps its top ``B``. Uniform budgets.
+    max-pooled (kernel 7) along the keys; each KV head keeps its top ``B``. Uniform budgets. With
+    ``budget_per="query-head"`` (the authors' granularity, ``g`` times the memory on GQA models; see
+    :class:`LookaheadMixin`) nothing is averaged: each query head keeps its own top ``B``.
 
     Differences from the authors' code (noforit/Lookahead_Q-Cache): the pseudo queries see every
     prompt key (the code's causal mask over the last ``w2 + n`` keys hides the last prompt keys
@@ -337,7 +464,8 @@ class LAQ(LookaheadMixin, SnapKV):
         window: stage-2 window ``w2`` — the last prompt queries joining the observation and the
             last prompt tokens always kept (0 for ``laq``, 8 for ``laq++``).
         kernel, pooling, reduce_rows, reduce_heads: SnapKV's scoring options (7, max, sum, mean).
-        steps, lookahead_method, lookahead_budget, lookahead_window: see :class:`LookaheadMixin`.
+        steps, lookahead_method, lookahead_budget, lookahead_window, budget_per: see
+            :class:`LookaheadMixin` (``budget_per``: ``"kv-head"`` default, ``"query-head"`` the authors').
     """
 
     name: ClassVar[str] = "laq"

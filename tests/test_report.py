@@ -101,9 +101,9 @@ def test_report_writes_intervals_ranks_and_plots(tmp_path, monkeypatch):
     drawn: list[tuple] = []
     original = report_module._draw_score_lines
 
-    def spy(lines, references, kind, title, path):
-        drawn.append((title, kind, lines, references))
-        original(lines, references, kind, title, path)
+    def spy(lines, references, kind, title, path, bands=False):
+        drawn.append((title, kind, lines, references, bands))
+        original(lines, references, kind, title, path, bands)
 
     monkeypatch.setattr(report_module, "_draw_score_lines", spy)
     rows = _grid()
@@ -126,7 +126,8 @@ def test_report_writes_intervals_ranks_and_plots(tmp_path, monkeypatch):
         assert (out / f"{name}.png").stat().st_size > 1000, name
         assert f"]({name}.png)" in text
 
-    plots = {(title, kind): (lines, refs) for title, kind, lines, refs in drawn}
+    plots = {(title, kind): (lines, refs) for title, kind, lines, refs, _ in drawn}
+    assert {title for title, *_, bands in drawn if bands} == {"mean over 2 tasks"}  # per task: error bars
     assert set(plots) == {("t1", "B"), ("t1", "r"), ("t2", "B"), ("t2", "r"), ("mean over 2 tasks", "B"),
                           ("mean over 2 tasks", "r")}  # fmt: skip
     lines, refs = plots[("t1", "B")]

@@ -26,6 +26,7 @@ the distribution of the selection layer per task (table and histogram).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -289,9 +290,11 @@ def _draw_score_lines(
     kind: str,
     title: str,
     path: Path,
+    bands: bool = False,
 ) -> None:
     """Score (×100) vs budget (``kind`` ``B``, log axis) or ratio (``r``): one line per label with
-    its intervals as error bars; reference labels as a dashed line over a band."""
+    its intervals as error bars (``bands``: as shaded bands); reference labels as a dashed line
+    over a band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,17 +309,24 @@ def _draw_score_lines(
     for i, (label, points) in enumerate(lines.items()):
         xs = [x for x, _ in points]
         ys = [100 * iv.mean for _, iv in points]
+        color, style = colors[i % len(colors)], "-" if i < len(colors) else ":"
+        if bands:
+            lows, highs = [100 * iv.low for _, iv in points], [100 * iv.high for _, iv in points]
+            ax.fill_between(xs, lows, highs, color=color, alpha=0.12, linewidth=0)
+            ax.plot(xs, ys, label=label, color=color, marker=markers[i % len(markers)], linestyle=style,
+                    markersize=4, linewidth=1.2)  # fmt: skip
+            continue
         errors = [[y - 100 * iv.low for y, (_, iv) in zip(ys, points, strict=True)],
                   [100 * iv.high - y for y, (_, iv) in zip(ys, points, strict=True)]]  # fmt: skip
         ax.errorbar(
-            xs, ys, yerr=errors, label=label, color=colors[i % len(colors)], marker=markers[i % len(markers)],
-            linestyle="-" if i < len(colors) else ":", capsize=2, markersize=4, linewidth=1.2,
+            xs, ys, yerr=errors, label=label, color=color, marker=markers[i % len(markers)],
+            linestyle=style, capsize=2, markersize=4, linewidth=1.2,
         )  # fmt: skip
     if kind == "B":
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (entries per KV head)")
     else:
-        ax.set_xlabel("compression ratio (fraction of the compressed tokens removed, as kvpress)")
+        ax.set_xlabel("compression ratio (fraction of tokens removed, as kvpress)")
     ax.set_ylabel("score (95% bootstrap interval)")
     ax.set_ylim(-5, 105)
     ax.set_title(title)
@@ -351,7 +361,7 @@ def plot_score_vs_budget(
 
 def plot_across_tasks(summary: AcrossTasks, kind: str, path: Path) -> bool:
     """Mean score over tasks vs budget (``kind="B"``) or ratio (``"r"``), one line per method, with
-    the stratified bootstrap intervals; ``False`` when no column has that kind."""
+    the stratified bootstrap intervals as bands; ``False`` when no column has that kind."""
     lines: dict[str, list[tuple[float, Interval]]] = defaultdict(list)
     for column in summary.columns:
         if column[0] != kind:
@@ -363,7 +373,7 @@ def plot_across_tasks(summary: AcrossTasks, kind: str, path: Path) -> bool:
         return False
     tasks = sorted({t for c in summary.columns if c[0] == kind for t in summary.tasks[c]})
     title = f"mean over {len(tasks)} tasks"
-    _draw_score_lines(dict(lines), summary.reference, kind, title, path)
+    _draw_score_lines(dict(lines), summary.reference, kind, title, path, bands=True)
     return True
 
 
@@ -436,6 +446,7 @@ def plot_budget_maps(rows: list[dict], path: Path) -> bool:
     return True
 
 
+@functools.cache
 def _is_prune_method(name: str) -> bool:
     from kvbudget.methods.presets import split_preset
     from kvbudget.methods.registry import REGISTRY

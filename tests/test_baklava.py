@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 
 import kvbudget
 from conftest import tiny_model, tiny_tokenizer
-from kvbudget.allocation import baklava_reallocate, integer_budgets, kmeans_1d, squeeze_layer_weights
+from kvbudget.allocation import baklava_reallocate, kmeans_1d, squeeze_layer_weights
 from kvbudget.cli import app
-from kvbudget.errors import ProfileError
+from kvbudget.errors import BudgetError, ProfileError
+from kvbudget.methods.profiled import bounded_budgets
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import (
     Profile,
@@ -65,33 +66,52 @@ def test_algorithm_2_leaves_allocations_unchanged_when_all_or_none_are_low():
     assert baklava_reallocate(importance, base, t=0.05, r=0.5).tolist() == base.tolist()  # none low
 
 
-def test_algorithm_2_with_a_layer_split_base_gives_freed_memory_equally():
-    importance = torch.tensor([0.1, 0.9, 0.2, 0.8])
-    base = torch.tensor([40.0, 40.0, 160.0, 160.0])  # two layers of 2 caches, unequal layer budgets
-    out = baklava_reallocate(importance, base, t=0.5, r=0.5)
-    # freed 20 + 80 = 100, split equally over the top-2 (0.9, 0.8)
-    assert out.tolist() == [20.0, 90.0, 80.0, 210.0]
+def test_algorithm_2_inside_one_layer_by_hand():
+    """Paper Alg. 2 on one layer of 4 caches, base b: low heads give r·b, k receivers get n·r·b/k."""
+    # importances [0.9, 0.1, 0.5, 0.05], t = 0.3 → low L = {1, 3}, n = 2, k = min(2, 4 − 2) = 2:
+    # receivers are the 2 most important, heads 0 (0.9) and 2 (0.5); r = 0.5
+    importance = torch.tensor([0.9, 0.1, 0.5, 0.05])
+    out = baklava_reallocate(importance, torch.full((4,), 32.0), t=0.3, r=0.5)
+    # low: 32 − 0.5·32 = 16; receivers: 32 + 2·0.5·32/2 = 48
+    assert out.tolist() == [48.0, 16.0, 48.0, 16.0]
+    # n = 3 low (t = 0.6), k = min(3, 1) = 1: head 0 alone gets 3·0.25·32 = 24
+    out = baklava_reallocate(importance, torch.full((4,), 32.0), t=0.6, r=0.25)
+    assert out.tolist() == [56.0, 24.0, 24.0, 24.0]
 
 
-@settings(max_examples=150, deadline=None)
+def _clamped_reference(shares: list[float], total: int, capacity: int) -> list[float]:
+    """Real-valued ``clamp(λ·s, 1, capacity)`` summing to ``total``, λ by plain bisection."""
+    lo_l, hi_l = 0.0, 1.0
+    f = lambda lam: sum(min(max(lam * s, 1.0), capacity) for s in shares)  # noqa: E731
+    while f(hi_l) < total:  # every share is positive: f reaches m·capacity
+        hi_l *= 2
+    for _ in range(200):
+        mid = (lo_l + hi_l) / 2
+        lo_l, hi_l = (mid, hi_l) if f(mid) < total else (lo_l, mid)
+    return [min(max(hi_l * s, 1.0), capacity) for s in shares]
+
+
+@settings(max_examples=200, deadline=None)
 @given(
-    importance=st.lists(st.floats(0, 1, allow_nan=False), min_size=1, max_size=40),
+    importance=st.lists(st.floats(0, 1, allow_nan=False), min_size=1, max_size=16),
     t=st.floats(0, 1),
     r=st.floats(0, 1),
     budget=st.integers(1, 300),
     capacity=st.integers(1, 400),
-    seed=st.integers(0, 10),
 )
-def test_budgets_always_sum_to_the_total(importance, t, r, budget, capacity, seed):
+def test_one_layers_budgets_sum_to_its_total_within_bounds(importance, t, r, budget, capacity):
     imp = torch.tensor(importance, dtype=torch.float64)
     m = imp.numel()
-    base = torch.rand(m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.1
-    alloc = baklava_reallocate(imp, base, t, r)
-    assert float(alloc.sum()) == pytest.approx(float(base.sum()), rel=1e-9)
+    alloc = baklava_reallocate(imp, torch.ones(m, dtype=torch.float64), t, r)
+    assert float(alloc.sum()) == pytest.approx(m, rel=1e-9)
     assert bool((alloc >= 0).all())
-    budgets = integer_budgets(alloc, budget * m, capacity)
-    assert int(budgets.sum()) == min(budget * m, capacity * m)
-    assert int(budgets.max()) <= capacity and int(budgets.min()) >= min(1, capacity)
+    b = min(budget, capacity)  # the split never gives a layer more than the tokens seen
+    budgets = bounded_budgets(alloc, b * m, capacity)
+    assert int(budgets.sum()) == b * m
+    assert int(budgets.max()) <= capacity and int(budgets.min()) >= 1
+    if bool((alloc > 0).all()):  # proportional up to the bounds: within one entry of the real split
+        ref = _clamped_reference(alloc.tolist(), b * m, capacity)
+        assert all(abs(x - y) < 1 + 1e-6 for x, y in zip(budgets.tolist(), ref, strict=True))
 
 
 @settings(max_examples=100, deadline=None)
@@ -244,47 +264,156 @@ def test_cli_profile_errors_exit_2(tmp_path):
 
 
 # ---------------------------------------------------------------------------- methods
+# The tiny model's 4 layers, set by hand: layer similarities [0.5, 0.9, 0.2, 0.88] cluster (exact
+# 1-D k-means, sorted 0.2 | 0.5 | 0.88, 0.9) with layers 1 and 3 in the most-similar cluster.
+TINY_LAYER_SIMS = [0.5, 0.9, 0.2, 0.88]
+TINY_IMPORTANCE = [[0.1, 0.6], [0.7, 0.2], [0.1, 0.2], [0.4, 0.5]]
+
+
+def _tiny_hand_profile(model, tmp_path):
+    """The model's measured profile with hand-set KV importances and layer similarities, saved."""
+    profile = _profile(model)
+    profile.kv_importance = [row[:] for row in TINY_IMPORTANCE]
+    profile.layer_similarity = list(TINY_LAYER_SIMS)
+    return save_profile(profile, tmp_path / "hand.json")
+
+
 def test_baklava_budgets_follow_the_profile(tmp_path):
     model = tiny_model()
-    profile = _profile(model)
-    path = save_profile(profile, tmp_path / "p.json")
+    path = _tiny_hand_profile(model, tmp_path)
     ids = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(1))
-    importance = profile.importance().reshape(-1)
-    t = float(importance.median()) + 1e-9
-    cache = kvbudget.compress(
-        model, ids, method=make_method("baklava", profile=str(path), t=t, r=0.5, p=0.5), budget=24
-    )
-    entries = cache.stats().entries.double()
-    # independent expectation: layer split → Algorithm 2 → exact integer budgets
-    weights = torch.tensor(squeeze_layer_weights(profile.layer_similarity, 0.5), dtype=torch.float64)
-    base = weights[:, None].expand(4, 2).reshape(-1)
-    shares = baklava_reallocate(importance, base, t, 0.5)
-    expected = integer_budgets(shares, 24 * 8, 120).reshape(4, 2)
-    assert entries.long().equal(expected)
-    assert int(entries.sum()) == 24 * 8
-    low = (importance < t).reshape(4, 2)
-    assert bool(low.any()) and bool((~low).any())
+    method = make_method("baklava", profile=str(path), t=0.3, r=0.5, p=0.5)
+    cache = kvbudget.compress(model, ids, method=method, budget=24)
+    # split, p = 0.5: layers 1, 3 keep 0.5·24 = 12, layers 0, 2 get 24·(4 − 2·0.5)/2 = 36 per head
+    # Alg. 2 per layer (t 0.3, r 0.5): layer 0 [0.1, 0.6] → head 0 gives 18 to head 1: [18, 54];
+    # layer 1 [0.7, 0.2] → [18, 6]; layer 2 [0.1, 0.2] all low → [36, 36]; layer 3 none low → [12, 12]
+    expected = [[18, 54], [18, 6], [36, 36], [12, 12]]
+    assert cache.stats().entries.long().tolist() == expected
     # StreamingLLM inside each cache: the first 4 and the most recent entries
     for i, layer in enumerate(cache.layers):
         for h in range(2):
             pos = layer.head(h)[2][0]
-            b = int(expected[i, h])
+            b = expected[i][h]
             assert pos.tolist() == list(range(4)) + list(range(120 - (b - 4), 120))
+
+
+def test_a_cache_capped_at_the_prompt_keeps_the_prefills_plan_while_decoding(tmp_path):
+    model = tiny_model()
+    path = _tiny_hand_profile(model, tmp_path)
+    ids = torch.randint(3, 90, (1, 60), generator=torch.Generator().manual_seed(4))
+    cache = kvbudget.compress(
+        model, ids, method=make_method("baklava", profile=str(path), t=0.3, r=0.5, p=0.5), budget=36
+    )
+    # split: [54, 18, 54, 18]; layer 0 wants [27, 81] but head 1 stops at the 60 prompt tokens and
+    # head 0 takes the 108 − 60 = 48 left; layer 1 [27, 9]; layer 2 all low, layer 3 none low
+    expected = [[48, 60], [27, 9], [54, 54], [18, 18]]
+    assert cache.stats().entries.long().tolist() == expected
+    with torch.no_grad():
+        token = ids[:, -1:]
+        for step in range(5):
+            token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            assert cache.stats().entries.long().tolist() == expected, step
+    pos = cache.layers[0].head(1)[2][0].tolist()
+    assert pos == list(range(4)) + list(range(65 - 56, 65))  # sinks + the 56 most recent of 65
 
 
 def test_squeezeattention_keeps_heads_of_a_layer_equal_and_uses_p(tmp_path):
     model = tiny_model()
-    profile = _profile(model)
-    path = save_profile(profile, tmp_path / "p.json")
+    path = _tiny_hand_profile(model, tmp_path)
     ids = torch.randint(3, 90, (1, 100), generator=torch.Generator().manual_seed(2))
     cache = kvbudget.compress(
         model, ids, method=make_method("squeezeattention", profile=str(path), p=0.25), budget=20
     )
-    entries = cache.stats().entries
-    assert entries.eq(entries[:, :1]).all()
-    weights = squeeze_layer_weights(profile.layer_similarity, 0.25)
-    expected = integer_budgets(torch.tensor(weights, dtype=torch.float64), 20 * 4, 100)
-    assert entries[:, 0].tolist() == expected.tolist()
+    # layers 1, 3 keep 0.25·20 = 5; layers 0, 2 get 20·(4 − 2·0.25)/2 = 35; the head importances
+    # play no part
+    assert cache.stats().entries.long().tolist() == [[35, 35], [5, 5], [35, 35], [5, 5]]
+
+
+def _six_layer_profile(heads: int, importance: list[list[float]] | None = None) -> Profile:
+    """6 layers whose similarities [0.5, 0.9, 0.91, 0.2, 0.52, 0.89] cluster (sorted: 0.2 | 0.5,
+    0.52 | 0.89, 0.9, 0.91) with layers 1, 2, 5 the most similar."""
+    importance = importance or [[0.5] * heads for _ in range(6)]
+    return Profile(
+        model={"name": "hand", "config_hash": "x", "num_layers": 6, "num_attention_heads": 2 * heads,
+               "num_kv_heads": heads},
+        prompts=[], head_similarity=[[1 - x for x in row for _ in range(2)] for row in importance],
+        kv_importance=importance, layer_similarity=[0.5, 0.9, 0.91, 0.2, 0.52, 0.89], per_prompt=[],
+    )  # fmt: skip
+
+
+# per layer, chosen so Algorithm 2 meets each case: 2 low / 2 receivers, 1 low, 3 low with one
+# receiver, none low, all low, and the paper's example
+SIX_IMPORTANCE = [
+    [0.1, 0.9, 0.2, 0.4],
+    [0.05, 0.5, 0.6, 0.7],
+    [0.1, 0.2, 0.25, 0.8],
+    [0.5, 0.6, 0.7, 0.8],
+    [0.1, 0.1, 0.2, 0.2],
+    [0.9, 0.1, 0.5, 0.05],
+]
+
+
+def _bound(name: str, profile: Profile, **options):
+    method = make_method(name, **options)
+    method.__dict__["_profile"] = profile
+    return method
+
+
+def test_baklava_moves_memory_only_inside_each_layer():
+    """Issue #25: Alg. 2 over all layers × heads had moved memory between layers (per-layer means
+    [96, 33, 33, 95, 95, 32] → [48, 17, 17, 122, 121, 59]); inside each layer the split holds."""
+    method = _bound("baklava", _six_layer_profile(4, SIX_IMPORTANCE), t=0.3, r=0.5, p=0.5)
+    budgets = method.cache_budgets(64, 400, 0.16)
+    # split, p = 0.5: layers 1, 2, 5 keep 0.5·64 = 32; layers 0, 3, 4 get 64·(6 − 1.5)/3 = 96
+    split = [96, 32, 32, 96, 96, 32]
+    assert (budgets.sum(-1) / 4).tolist() == split
+    # Alg. 2 (t 0.3, r 0.5) inside each layer, base b_l:
+    assert budgets.tolist() == [
+        [48, 144, 48, 144],  # L = {0, 2}: each gives 48; k = 2 receivers (0.9, 0.4) get 2·48/2 = 48
+        [16, 32, 32, 48],  # L = {0}: gives 16 to the single most important head (0.7)
+        [16, 16, 16, 80],  # L = {0, 1, 2}: k = min(3, 1) = 1, head 3 gets 3·16 = 48
+        [96, 96, 96, 96],  # no head below t: unchanged
+        [96, 96, 96, 96],  # every head below t: unchanged
+        [48, 16, 48, 16],  # L = {1, 3}: receivers heads 0 and 2, 2·16/2 = 16 each
+    ]
+    # the same split for SqueezeAttention, every head of a layer equal
+    squeeze = _bound("squeezeattention", _six_layer_profile(4, SIX_IMPORTANCE), p=0.5)
+    assert squeeze.cache_budgets(64, 400, 0.16).tolist() == [[b] * 4 for b in split]
+
+
+def test_baklava_caps_a_cache_at_the_prompt_and_gives_the_rest_to_its_layer():
+    method = _bound("baklava", _six_layer_profile(4, SIX_IMPORTANCE), t=0.3, r=0.5, p=0.5)
+    budgets = method.cache_budgets(64, 120, 64 / 120)
+    # layer 0 wants [48, 144, 48, 144]: heads 1, 3 stop at 120, the 48 left over goes to heads
+    # 0 and 2 in proportion to their shares (equal): 72 each; the layer total stays 4·96
+    assert budgets[0].tolist() == [72, 120, 72, 120]
+    assert budgets.sum(-1).tolist() == [4 * b for b in [96, 32, 32, 96, 96, 32]]
+    # r = 1: low caches would keep nothing; each keeps one entry, taken from the receivers, unless
+    # the receivers are at the prompt length (layer 0: [0, 192, 0, 192] → 120 each, 72 left each)
+    budgets = _bound("baklava", _six_layer_profile(4, SIX_IMPORTANCE), t=0.3, r=1.0, p=0.5).cache_budgets(
+        64, 120, 64 / 120
+    )
+    assert budgets[0].tolist() == [72, 120, 72, 120]
+    assert budgets[5].tolist() == [63, 1, 63, 1]  # [64, 0, 64, 0] → 1 each for heads 1, 3
+
+
+def test_baklava_with_one_kv_head_per_layer_is_the_layer_split():
+    importance = [[0.05], [0.9], [0.1], [0.7], [0.2], [0.6]]
+    method = _bound("baklava", _six_layer_profile(1, importance), t=0.3, r=0.9, p=0.25)
+    # p = 0.25: layers 1, 2, 5 keep 0.25·40 = 10, the others 40·(6 − 0.75)/3 = 70
+    assert method.cache_budgets(40, 500, 0.08).flatten().tolist() == [70, 10, 10, 70, 70, 10]
+
+
+def test_pin_ratio_fixes_the_ratio_and_refuses_bad_values():
+    method = _bound("baklava", _six_layer_profile(4, SIX_IMPORTANCE))
+    assert method.row_ratio(0, 24, 40) == 0.6
+    assert method.pin_ratio(0.25) is None
+    assert method.row_ratio(1, 24, 40) == 0.25 and method.row_ratio(0, 24, 40) == 0.25
+    assert method.pin_ratio(None) == 0.25
+    for bad in (0, 0.0, -0.5, 1.5, float("nan"), "0.3", True):
+        with pytest.raises(BudgetError, match=r"pinned compression ratio must be in \(0, 1\], got") as err:
+            method.pin_ratio(bad)
+        assert "\n" not in str(err.value)
 
 
 def test_default_profile_is_built_on_the_fly_and_a_saved_default_wins(tmp_path):
@@ -402,7 +531,7 @@ def test_baklava_snapkv_keeps_snapkv_choice_at_each_caches_own_budget():
         out.update(k.clone(), v.clone())
         return out
 
-    method = make_method("baklava-snapkv", window=4, kernel=3, t=0.4, r=0.75, p=0.5)
+    method = make_method("baklava-snapkv", window=4, kernel=3, t=0.2, r=0.75, p=0.5)
     method.__dict__["_profile"] = _hand_profile(4, 2)
     budgets = method.cache_budgets(10, 40, 0.25)
     assert int(budgets.sum()) == 80 and len(set(budgets.flatten().tolist())) > 2

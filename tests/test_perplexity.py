@@ -60,3 +60,35 @@ def test_prune_methods_score_chunks_on_their_pruned_prefix(name):
     assert same.nll == pytest.approx(_reference_nll(model, IDS, 40), abs=1e-4)  # nothing pruned
     pruned = chunked_perplexity(model, IDS, method, budget=24, chunk=32)
     assert pruned.max_entries_per_head == 24 + 32 and pruned.tokens == 200 - 32  # first chunk: 32
+
+
+def test_a_profiled_method_looks_parameters_up_at_the_passages_ratio(monkeypatch):
+    """Each prefill sees budget / prefix tokens; the lookup uses budget / T (or the given ratio),
+    only during the call: a pin made before is restored after."""
+    from kvbudget.methods.profiled import ProfiledMethod
+
+    seen = []
+    real = ProfiledMethod.resolved_p
+    monkeypatch.setattr(
+        ProfiledMethod, "resolved_p", lambda self, ratio: seen.append(ratio) or real(self, ratio)
+    )
+    model = tiny_model()
+    for name in ("squeezeattention", "baklava"):
+        method = make_method(name)
+        seen.clear()
+        chunked_perplexity(model, IDS, method, budget=50, chunk=16)  # 50 / 200
+        assert seen and set(seen) == {0.25}, name
+        assert method.pin_ratio(None) is None  # unpinned after the call
+        method.pin_ratio(0.5)
+        seen.clear()
+        chunked_perplexity(model, IDS, method, budget=50, chunk=16, ratio=0.3)
+        assert seen and set(seen) == {0.3}, name
+        assert method.pin_ratio(None) == 0.5  # the earlier pin is back
+
+
+@pytest.mark.parametrize("ratio", [0, 1.5, -0.1, "0.3"])
+def test_a_bad_ratio_is_a_one_line_error(ratio):
+    from kvbudget.errors import BudgetError
+
+    with pytest.raises(BudgetError, match=r"compression ratio must be in \(0, 1\], got"):
+        chunked_perplexity(tiny_model(), IDS, make_method("baklava"), budget=50, ratio=ratio)

@@ -354,18 +354,19 @@ def squeeze_layer_weights(similarity: Sequence[float], p: float) -> list[float]:
 def baklava_reallocate(
     importance: torch.Tensor, base: torch.Tensor, t: float, r: float
 ) -> torch.Tensor:
-    """BaKlaVa's Algorithm 2 over ``m`` KV caches (all layers × KV heads, flattened).
+    """BaKlaVa's Algorithm 2 over ``m`` KV caches (BaKlaVa calls it on one layer's ``kv_heads``).
 
     Args:
         importance: ``[m]`` KV-cache importance ``I = 1 − similarity``.
-        base: ``[m]`` allocations before reallocation (the layer split), any positive scale.
+        base: ``[m]`` allocations before reallocation (equal within a layer), any positive scale.
         t: caches with ``I < t`` are "low importance".
         r: fraction of its allocation each low-importance cache gives up.
     Returns:
         ``[m]`` float64 allocations with the same sum: if ``0 < n < m`` caches are below ``t``
         (``n = 0`` or ``n = m``: unchanged), each gives up ``r`` of its allocation and the freed
         total goes in equal parts to the ``k = min(n, m − n)`` most important caches (ties to the
-        earlier cache). With a uniform base this is the paper's ``Δr = n·r/k`` per receiving cache.
+        earlier cache). With a uniform base ``b`` this is the paper's ``Δr = n·r·b/k`` per receiving
+        cache; a non-uniform base gives each receiver the same share of the freed total.
     """
     imp = importance.double().reshape(-1)
     alloc = base.double().reshape(-1).clone()

@@ -4,9 +4,13 @@ For a compression ratio ``R`` every grid point — ``(t, r)`` for BaKlaVa, ``p``
 SqueezeAttention — builds the method and measures the perplexity of ``passages`` Austen passages
 of ``length`` tokens, each read in chunks with the cache held at ``round(R · length)`` entries per
 head and reset between passages (:func:`kvbudget.eval.tasks.perplexity.chunked_perplexity`). The
+method's ratio is pinned to ``R`` (:meth:`~kvbudget.methods.profiled.ProfiledMethod.pin_ratio`), so
+parameters it does not search (BaKlaVa's layer split ``p``) are the ones an evaluation at ``R``
+uses — not those stored for ``budget / (budget + chunk)``, the ratio each chunk's prefill sees. The
 point with the lowest mean NLL wins. Results go into the profile JSON (``tuned[method][R]``) after
 every grid point, so an interrupted search resumes where it stopped (points already measured with
-the same settings are skipped).
+the same settings are skipped; an entry stored under other settings, or before the ratio was pinned
+and BaKlaVa's Algorithm 2 ran inside each layer — no ``lookup_ratio`` — is measured again).
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ def tune(
         raise InputError(f"tuning texts must be [1, {length}] token tensors")
     settings = {
         "length": length, "passages": len(texts), "seed": seed, "chunk": chunk, "budget": budget,
-        "text": source,
+        "text": source, "lookup_ratio": ratio,
     }  # fmt: skip
     key = f"{ratio:g}"
     entry = profile.tuned.setdefault(method, {}).get(key)
@@ -107,7 +111,7 @@ def tune(
         method_obj = make_method(method, profile=str(path), **point)
         nll, tokens = 0.0, 0
         for ids in texts:
-            result = chunked_perplexity(model, ids, method_obj, budget, chunk=chunk)
+            result = chunked_perplexity(model, ids, method_obj, budget, chunk=chunk, ratio=ratio)
             nll += result.nll * result.tokens
             tokens += result.tokens
         mean = nll / tokens

@@ -23,12 +23,18 @@ class BaKlaVa(ProfiledMethod):
     per KV cache the GQA group's mean, importance ``I = 1 − similarity``. Layer similarity is
     SqueezeAttention's.
 
-    **Budgets**: the SqueezeAttention layer split (3 clusters, share ``p``) gives every cache of a
-    layer the same base; then Algorithm 2 over all ``m = layers × kv_heads`` caches: caches with
-    ``I < t`` give up ``r`` of their base, and the freed memory goes in equal parts to the
-    ``min(n, m − n)`` most important caches (nothing changes if no cache or every cache is below
-    ``t``). Budgets are integerised with the model's total ``B·m`` exact, none above the prompt,
-    each cache at least one entry, and stored per head (ragged: the memory is really saved).
+    **Budgets** (§3.1.4: head importances allocate memory "within a single layer", the layer
+    split is SqueezeAttention's): the split (3 clusters, share ``p``) gives layer ``l`` an integer
+    ``b_l`` entries per head, ``Σ b_l = B·layers``, each in ``[1, prompt]``. Then Algorithm 2 runs
+    inside each layer over its ``m = kv_heads`` caches, each starting at ``b_l``: caches with
+    ``I < t`` give up ``r·b_l``, and the ``n`` freed parts go in equal shares ``Δr = n·r·b_l/k`` to
+    the ``k = min(n, m − n)`` most important caches of that layer (ties to the earlier head;
+    nothing changes in a layer where no cache or every cache is below ``t`` — always so with one KV
+    head per layer). Each layer's ``b_l·kv_heads`` is then integerised over its heads in proportion
+    to these allocations (:func:`~kvbudget.methods.profiled.bounded_budgets`: exact total, none
+    above the prompt — the excess goes to the layer's other heads —, each cache at least one
+    entry); so every layer keeps exactly what the split gave it. Budgets are stored per head
+    (ragged: the memory is really saved).
 
     **Eviction** inside each cache: StreamingLLM (4 sinks + most recent), at the prefill and every
     decode step, as in the paper. ``baklava-snapkv`` uses SnapKV's scores instead.
@@ -36,9 +42,9 @@ class BaKlaVa(ProfiledMethod):
     ``t`` and ``r`` default to the values ``kvbudget tune`` (Alg. 3, perplexity grid search) stored
     in the profile for the compression ratio nearest the run's (``budget / prompt length``); an
     untuned profile uses ``t`` = the median importance and ``r = 0.5`` (our choice; the paper tunes
-    both per model and ratio). The paper has no public code; where it is silent we chose: several
-    profiling prompts are averaged with equal weight; with a non-uniform base the freed memory is
-    split equally (the paper's ``Δr = n·r/k`` assumes equal caches).
+    both per model and ratio; ``t`` is one threshold for all caches of the model, as in the paper).
+    The paper has no public code; where it is silent we chose: several profiling prompts are
+    averaged with equal weight; the layer totals are integerised before the heads.
 
     Reference: Gulhan et al., "BaKlaVa — Budgeted Allocation of KV cache for Long-context
     Inference" (arXiv:2502.13176).
@@ -71,11 +77,13 @@ class BaKlaVa(ProfiledMethod):
         r = self.r if self.r >= 0 else float(tuned.get("r", self.default_r))
         return float(t), r
 
-    def shares(self, ratio: float) -> torch.Tensor:
-        base = super().shares(ratio)
+    def head_shares(self, ratio: float) -> torch.Tensor:
+        """Algorithm 2 inside each layer: ``[layers, kv_heads]`` float64, every cache starting at 1
+        (each row sums to ``kv_heads``)."""
         t, r = self.resolved_tr(ratio)
         importance = self.bound_profile.importance()
-        return baklava_reallocate(importance.reshape(-1), base.reshape(-1), t, r).reshape(base.shape)
+        equal = torch.ones(importance.shape[1], dtype=torch.float64)
+        return torch.stack([baklava_reallocate(row, equal, t, r) for row in importance])
 
 
 @dataclass

@@ -6,9 +6,15 @@ cache — ``[layers, kv_heads]`` entries for a row of budget ``B`` whose prompt 
 and keeps each cache at its own budget: at the end of the prefill, and (StreamingLLM eviction) after
 every decode step.
 
-Budgets are integerised over all ``m = layers × kv_heads`` caches at once: the model's total
-``B·m`` is exact, no cache exceeds the tokens seen (the excess is spread over the others in
-proportion to their shares) and every cache keeps at least one entry.
+Budgets are integerised in two steps (:func:`bounded_budgets`): first the layer split — ``layers``
+integer budgets per head summing exactly to ``B·layers``, proportional to the split's shares,
+none above the tokens seen and none below one entry (what a bound takes from or gives to a layer
+is shared by the others in proportion to their shares) — then, for a method with per-cache
+budgets, each layer's total ``b_l·kv_heads`` over its own heads by their shares within the layer
+(same rules). A layer's total is therefore always what the split gave it.
+
+The compression ratio that picks tuned parameters is ``budget / prompt length`` of each row unless
+:meth:`ProfiledMethod.pin_ratio` fixed it (the tuning grid search pins the ratio it tunes for).
 """
 
 from __future__ import annotations
@@ -18,12 +24,48 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbudget.allocation import integer_budgets, squeeze_layer_weights
-from kvbudget.errors import ProfileError, UnknownMethodError
+from kvbudget.allocation import largest_remainder_round, squeeze_layer_weights
+from kvbudget.errors import BudgetError, ProfileError, UnknownMethodError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 from kvbudget.profiles import Profile, resolve_profile
 from kvbudget.selection import protected_mask, select_keep
+
+
+def bounded_budgets(shares: torch.Tensor, total: int, capacity: int) -> torch.Tensor:
+    """Integers in ``[1, capacity]`` proportional to ``shares: [m]``, summing to ``min(total, m·capacity)``
+    (at least ``m``; ``capacity < 1`` gives zeros).
+
+    The real-valued budgets are ``x_i = clamp(λ·s_i, 1, capacity)`` with the one ``λ`` that makes
+    them sum to ``total`` (exact: ``Σ clamp`` is piecewise linear in ``λ``, solved on the segment
+    between its knots ``1/s_i``, ``capacity/s_i`` that crosses ``total``); then largest-remainder
+    rounding (ties to the earlier item). With no bound active this is ``total·s_i / Σ s`` rounded, so
+    integer shares of the total come out exactly (``B·w_l`` for a layer, ``b_l·s_h`` for a head).
+    All-zero shares count as equal; zero shares get more than one entry only when every positive
+    share is at the capacity.
+    """
+    s = shares.double().reshape(-1)
+    m = s.numel()
+    lo, hi = min(1, capacity), max(capacity, 0)
+    if total >= m * hi:
+        return torch.full((m,), hi, dtype=torch.long)
+    if total <= m * lo:
+        return torch.full((m,), lo, dtype=torch.long)
+    if float(s.sum()) <= 0.0:
+        s = torch.ones_like(s)
+    pos = s[s > 0]
+    knots = torch.cat([lo / pos, hi / pos]).unique()  # sorted
+    sums = (knots[:, None] * s[None]).clamp(lo, hi).sum(-1)  # Σ clamp at each knot, non-decreasing
+    i = int(torch.searchsorted(sums, torch.tensor([float(total)], dtype=torch.float64)))
+    if i == knots.numel():  # every positive share is at the capacity: zero shares take the rest equally
+        zero = s <= 0
+        rest = (total - hi * int((~zero).sum())) / int(zero.sum())
+        return largest_remainder_round(torch.where(zero, rest, float(hi)), total)
+    mid = (float(knots[i - 1]) + float(knots[i])) / 2  # i ≥ 1: Σ clamp at the first knot is m·lo < total
+    at_hi, at_lo = mid * s >= hi, mid * s <= lo
+    free = ~(at_hi | at_lo)
+    lam = (total - hi * int(at_hi.sum()) - lo * int(at_lo.sum())) / float(s[free].sum())
+    return largest_remainder_round((lam * s).clamp(lo, hi), total)
 
 
 @dataclass
@@ -69,6 +111,7 @@ class ProfiledMethod(Method):
             raise ProfileError(f"profile has {profile.num_layers} layers, the model {layers}")
         self.__dict__["_profile"] = profile
         self.__dict__["_plans"] = {}
+        self.__dict__["_layer_weights"] = {}  # memoised per p for *this* profile
 
     @property
     def bound_profile(self) -> Profile:
@@ -110,37 +153,68 @@ class ProfiledMethod(Method):
         return self.default_p
 
     # ------------------------------------------------------------------ budgets
-    def shares(self, ratio: float) -> torch.Tensor:
-        """Relative budget of every cache, ``[layers, kv_heads]`` float64 (mean 1 for the layer split)."""
-        profile = self.bound_profile
+    def layer_shares(self, ratio: float) -> torch.Tensor:
+        """SqueezeAttention's layer split, ``[layers]`` float64 relative budgets (mean 1)."""
         p = self.resolved_p(ratio)
         memo = self.__dict__.setdefault("_layer_weights", {})
         if p not in memo:
-            memo[p] = torch.tensor(squeeze_layer_weights(profile.layer_similarity, p), dtype=torch.float64)
-        return memo[p][:, None].expand(-1, profile.num_kv_heads)
+            weights = squeeze_layer_weights(self.bound_profile.layer_similarity, p)
+            memo[p] = torch.tensor(weights, dtype=torch.float64)
+        return memo[p]
+
+    def head_shares(self, ratio: float) -> torch.Tensor:
+        """Relative budget of each cache within its layer, ``[layers, kv_heads]`` float64 (uniform
+        here; only the ratios within a row matter). Used when ``granularity == "cache"``."""
+        profile = self.bound_profile
+        return torch.ones(profile.num_layers, profile.num_kv_heads, dtype=torch.float64)
 
     def cache_budgets(self, budget: int, capacity: int, ratio: float | None = None) -> torch.Tensor:
         """Entries each cache keeps, ``[layers, kv_heads]`` int64, summing to ``budget·layers·kv_heads``
         (or everything, when that covers ``capacity`` tokens per cache). ``ratio`` picks the tuned
-        parameters (default ``budget / capacity``)."""
+        parameters (default ``budget / capacity``).
+
+        Layer ``l`` gets ``b_l`` entries per head from the split (:func:`bounded_budgets` of
+        :meth:`layer_shares`: ``Σ b_l = budget·layers``, each in ``[1, capacity]``); a
+        ``"cache"``-granularity method then splits ``b_l·kv_heads`` over the layer's heads in
+        proportion to :meth:`head_shares` (each in ``[1, capacity]``), so every layer keeps exactly
+        ``b_l·kv_heads`` entries.
+        """
         plans = self.__dict__.setdefault("_plans", {})
         ratio = budget / max(capacity, 1) if ratio is None else ratio
         key = (budget, capacity, ratio)
         if key not in plans:
-            shares = self.shares(ratio)
-            layers, heads = shares.shape
+            profile = self.bound_profile
+            layers, heads = profile.num_layers, profile.num_kv_heads
+            per_layer = bounded_budgets(self.layer_shares(ratio), budget * layers, capacity)
             if self.granularity == "layer":
-                per_layer = integer_budgets(shares[:, 0], budget * layers, capacity)
                 plans[key] = per_layer[:, None].expand(-1, heads).clone()
             else:
-                flat = integer_budgets(shares.reshape(-1), budget * layers * heads, capacity)
-                plans[key] = flat.reshape(layers, heads)
+                within = self.head_shares(ratio)
+                plans[key] = torch.stack(
+                    [bounded_budgets(within[i], int(per_layer[i]) * heads, capacity) for i in range(layers)]
+                )
         return plans[key]
 
+    def pin_ratio(self, ratio: float | None) -> float | None:
+        """Fix the compression ratio that picks tuned parameters for every row until unpinned
+        (``None`` = derive it from each row, :meth:`row_ratio`); returns the previous pin. Used by
+        the chunked perplexity (``kvbudget tune``), whose prefills of ``budget`` tokens would
+        otherwise look up ``budget / (budget + chunk)`` instead of the passage's ratio."""
+        valid = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0
+        if ratio is not None and not valid:
+            raise BudgetError(f"{self.name}: a pinned compression ratio must be in (0, 1], got {ratio!r}")
+        previous = self.__dict__.get("_pinned_ratio")
+        self.__dict__["_pinned_ratio"] = None if ratio is None else float(ratio)
+        return previous
+
     def row_ratio(self, row: int, budget: int, capacity: int) -> float:
-        """The compression ratio that picks a row's tuned parameters, fixed for the whole run:
-        ``budget / prompt length`` at a compressing prefill, else ``budget / tokens seen`` at the
-        first decode step (pass ``t``/``r``/``p`` explicitly to be independent of it)."""
+        """The compression ratio that picks a row's tuned parameters, fixed for the whole run: the
+        pinned ratio (:meth:`pin_ratio`) if any, else ``budget / prompt length`` at a compressing
+        prefill, else ``budget / tokens seen`` at the first decode step (pass ``t``/``r``/``p``
+        explicitly to be independent of it)."""
+        pinned = self.__dict__.get("_pinned_ratio")
+        if pinned is not None:
+            return pinned
         ratios = self.__dict__.setdefault("_ratios", {})
         if row not in ratios:
             ratios[row] = budget / max(capacity, 1)
@@ -174,6 +248,10 @@ class ProfiledMethod(Method):
             self.__dict__["_ratios"] = {
                 r: t / int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None
             }
+            # the prompt length each compressed row's plan was made for, held through the decode
+            self.__dict__["_capacities"] = {
+                r: int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None
+            }
         if all(t is None for t in targets):
             return kept
         self.check_shape(obs)
@@ -197,8 +275,10 @@ class ProfiledMethod(Method):
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         """StreamingLLM eviction per cache: keep the first ``sinks`` and the most recent entries.
 
-        Budgets are recomputed with the tokens each row has seen as the capacity, so they equal
-        the prefill's until a cache could hold everything (then nothing is evicted).
+        A row compressed at the prefill keeps the prefill's plan (made for its prompt length) at
+        every step: a cache capped at the prompt length stays at it, its layer's other caches keep
+        what the cap gave them. A row the prefill left whole gets the plan for the tokens it has
+        seen, so nothing is evicted until its caches outgrow the budget.
         """
         self.observe(obs)
         layer = obs.layer
@@ -206,11 +286,12 @@ class ProfiledMethod(Method):
         heads = lengths.shape[1]
         positions = [layer.head(h)[2] for h in range(heads)]  # per head [b, n_h]
         offsets = self.__dict__.get("_offsets") or []
+        prefill_capacity = self.__dict__.get("_capacities") or {}
         limits = []
         for r, budget in enumerate(row_budgets):
             last = max(int(p[r].max()) for p in positions)
             first = offsets[r] if r < len(offsets) else min(int(p[r][p[r] >= 0].min()) for p in positions)
-            capacity = last - first + 1
+            capacity = prefill_capacity.get(r, last - first + 1)
             plan = self.cache_budgets(budget, capacity, self.row_ratio(r, budget, capacity))
             limits.append(plan[obs.layer_idx])
         if all(bool((lengths[r] <= limits[r]).all()) for r in range(len(row_budgets))):
@@ -228,5 +309,3 @@ class ProfiledMethod(Method):
                 row.append(slots)
             keep.append(row)
         layer.keep(keep)
-
-

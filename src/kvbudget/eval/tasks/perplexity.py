@@ -28,10 +28,11 @@ from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache
 from kvbudget.data import austen_novels
 from kvbudget.engine import PrefillInputs
-from kvbudget.errors import InputError
+from kvbudget.errors import BudgetError, InputError
 from kvbudget.eval.sample import Sample
 from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.methods.base import Method
+from kvbudget.methods.profiled import ProfiledMethod
 from kvbudget.prune import prune_prefill
 from kvbudget.session import CompressionSession
 
@@ -91,14 +92,45 @@ def chunked_perplexity(
     budget: int | None,
     chunk: int = 32,
     first_chunk: int | None = None,
+    ratio: float | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``ids: [1, T]`` with ``method`` holding the cache at ``budget`` entries per head.
 
     The first ``first_chunk`` tokens (default ``budget``, at least one chunk) form the initial
     context and are not scored; every later token is predicted from the compressed cache.
+
+    ``ratio`` is the compression ratio at which a profiled method (SqueezeAttention, BaKlaVa)
+    looks up its tuned parameters, pinned on the method for this call
+    (:meth:`~kvbudget.methods.profiled.ProfiledMethod.pin_ratio`, the previous pin restored on
+    return); default ``budget / T``, the ratio an evaluation of the whole passage at ``budget``
+    uses. Without the pin each prefill would use its own ``budget / prefix``, ``≈ budget / (budget
+    + chunk)``.
     """
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
+    ):
+        raise BudgetError(f"the perplexity's compression ratio must be in (0, 1], got {ratio!r}")
     attach(model)
     method.prepare(model)
+    if isinstance(method, ProfiledMethod) and budget is not None:
+        pinned = ratio if ratio is not None else min(budget / ids.shape[1], 1.0)
+        previous = method.pin_ratio(pinned)
+        try:
+            return _chunked_perplexity(model, ids, method, budget, chunk, first_chunk)
+        finally:
+            method.pin_ratio(previous)
+    return _chunked_perplexity(model, ids, method, budget, chunk, first_chunk)
+
+
+def _chunked_perplexity(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    method: Method,
+    budget: int | None,
+    chunk: int,
+    first_chunk: int | None,
+) -> PerplexityResult:
+    """:func:`chunked_perplexity` on an attached model and a prepared method."""
     total = ids.shape[1]
     start = max(chunk, min(first_chunk or budget or chunk, total - 1))
     layers = model.config.num_hidden_layers

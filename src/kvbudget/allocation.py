@@ -189,7 +189,8 @@ def flattened_head_budgets(
             (protected window, invalid slots) are ``-inf``.
         total: candidate entries the layer keeps (window excluded).
         floor_alpha: share of the even split ``total / H`` every head is guaranteed (0 = the plain
-            top-k, LAVa's Algorithm 1).
+            top-k, LAVa's Algorithm 1, and what every method passes; LAVa's authors'-code floor is
+            :func:`kvbudget.methods.lava.floored_head_budgets`).
         bounds: ``[kv_heads]`` most entries a head may keep (default: its candidates).
     Returns:
         ``[kv_heads]`` int64 counts (window excluded) summing to ``min(total, Σ bounds)``. With

@@ -44,8 +44,8 @@ def window_scores(
 
     Attention of the last ``window`` queries (softmax over all keys) on the keys before the
     window, reduced over the window rows (``sum``/``mean``), over each GQA group
-    (``mean``/``max``), then pooled along the keys. Returns ``[b, kv_heads, n]``; the window's own
-    columns are 0 (the selector keeps them anyway).
+    (``mean``/``max``/``sum``; ``sum`` is ASL's and FastKV's), then pooled along the keys.
+    Returns ``[b, kv_heads, n]``; the window's own columns are 0 (the selector keeps them anyway).
     """
     probs = obs.window_probs(window)  # [b, hq, rows, n]
     w = obs.window_keys(window)

@@ -14,7 +14,9 @@ from kvbudget.scoring import pool_keys, window_scores
 
 
 def token_scores(obs: Observation, window: int, kernel: int) -> torch.Tensor:
-    """ASL's pooled window attention summed over all heads: ``[b, n]`` (paper §4.1, Alg. 1 lines 3–6).
+    """ASL's pooled window attention summed over all heads: ``[b, n]`` (paper §4.1's formula; the authors'
+    ``sum_attn_cache``). Alg. 1 line 6 sums only within each GQA group; the token ranks need one
+    order over all heads, which §4.1's formula and the authors' code take.
 
     Attention of the last ``window`` queries (softmax over all keys, causal in the window block),
     summed over the window rows, average-pooled along the keys (kernel ``kernel``, zero padding),

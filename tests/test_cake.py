@@ -5,12 +5,14 @@ window attention by a hand-written softmax over each causal prefix, the preferen
 ``H^(1/τ1)·V^(1/τ2)`` (entropy and unbiased variance over the window rows), the eviction score
 ``mean + γ·var`` with average pooling by explicit windows (zero padding, divided by the kernel),
 the GQA mean, the cascading budgets and the decode-time trimming by the current query. Helpers
-shared with ``tests/test_lava.py`` (softmax, water-filling) are that file's reference code.
+shared with ``tests/test_lava.py`` (softmax, water-filling) are that file's reference code. The
+authors' per-model τ (``authors_tau``) are checked against their ``model2tau.json`` written out here.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,12 +20,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvbudget
+from conftest import tiny_model
 from kvbudget.allocation import cake_preference
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import UnknownMethodError
+from kvbudget.methods.cake import authors_checkpoint
 from kvbudget.methods.cascade import RowPlan
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
+from kvbudget.session import CompressionSession
 from test_lava import (
     BUDGET,
     HQ,
@@ -228,3 +234,159 @@ def test_cake_decode_trims_each_layer_to_its_budget_by_the_current_query(seed):
                 )
             assert layer.head_lengths()[0].tolist() == [budget + W] * H
     assert TOL > 0
+
+
+# ------------------------------------------------------------------------------ the authors' τ
+#: antgroup/cakekv experiments/LongBench/config/model2tau.json, written out again (their keys:
+#: model2path.json's folder names; budgets: their --cache_size, window included)
+MODEL2TAU = {
+    "Qwen2.5-7B-Instruct": {128: (0.4, 0.6), 1024: (1.5, 0.6)},
+    "Meta-Llama-3.1-8B-Instruct": {128: (1.6, 0.6), 1024: (1.6, 0.4)},
+    "Llama-2-7b-chat-hf": {128: (0.9, 2.3), 1024: (1.9, 1.8)},
+    "Llama-2-13b-chat-hf": {128: (1.8, 2.0), 1024: (0.5, 0.4)},
+    "Mistral-7B-Instruct-v0.3": {128: (1.0, 0.8), 1024: (0.8, 0.5)},
+}
+
+
+def named_model(name: str) -> SimpleNamespace:
+    """What ``prepare`` reads of a model: ``config._name_or_path``."""
+    return SimpleNamespace(config=SimpleNamespace(_name_or_path=name))
+
+
+@pytest.mark.parametrize(
+    ("name", "checkpoint"),
+    [
+        ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B-Instruct"),
+        ("qwen/qwen2.5-7b-instruct", "Qwen2.5-7B-Instruct"),
+        ("/models/Llama-2-7b-chat-hf", "Llama-2-7b-chat-hf"),
+        ("/models/Llama-2-13b-chat-hf/", "Llama-2-13b-chat-hf"),
+        ("meta-llama/Meta-Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B-Instruct"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B-Instruct"),  # the hub's new name
+        (
+            "/root/.cache/huggingface/hub/models--mistralai--Mistral-7B-Instruct-v0.3",
+            "Mistral-7B-Instruct-v0.3",
+        ),
+        ("/hf/hub/models--Qwen--Qwen2.5-7B-Instruct/snapshots/a09a3545", "Qwen2.5-7B-Instruct"),
+        # not theirs: our models, other sizes and versions, base models, derived names
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", None),
+        ("smollm2-135m", None),
+        ("qwen2.5-coder-0.5b", None),
+        ("Qwen/Qwen2.5-Coder-0.5B-Instruct", None),
+        ("Qwen/Qwen2.5-7B", None),
+        ("Qwen/Qwen2.5-14B-Instruct", None),
+        ("mistralai/Mistral-7B-Instruct-v0.2", None),
+        ("Qwen/Qwen2.5-7B-Instruct-AWQ", None),
+        ("", None),
+    ],
+)
+def test_authors_checkpoint_names_only_their_models(name, checkpoint):
+    assert authors_checkpoint(name) == checkpoint
+
+
+def test_authors_taus_by_model_and_budget():
+    for checkpoint, table in MODEL2TAU.items():
+        cake = make_method("cake", authors_tau=True)
+        cake.prepare(named_model(f"org/{checkpoint}"))
+        assert cake.taus(128) == table[128] and cake.taus(1024) == table[1024], checkpoint
+        assert cake.taus(256) == (1.0, 1.0) and cake.taus(127) == (1.0, 1.0)  # budgets they did not tune
+    unlisted = make_method("cake", authors_tau=True)
+    unlisted.prepare(named_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    assert unlisted.taus(128) == (1.0, 1.0) and unlisted.taus(1024) == (1.0, 1.0)
+    own = make_method("cake", authors_tau=True, tau1=0.5, tau2=2.0)  # elsewhere the options stay
+    own.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
+    assert own.taus(128) == (0.4, 0.6) and own.taus(512) == (0.5, 2.0)
+    plain = make_method("cake", tau1=0.5, tau2=2.0)  # without authors_tau the table is not used
+    plain.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
+    assert plain.taus(128) == (0.5, 2.0)
+
+
+def test_authors_tau_without_prepare_is_a_clear_error():
+    cake = make_method("cake", authors_tau=True, window=W)
+    with pytest.raises(UnknownMethodError) as info:
+        cake.taus(128)
+    assert "prepare" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(UnknownMethodError, match="prepare"):  # also when it compresses
+        run_method(make_method("cake", authors_tau=True, window=W), make_long_inputs(0, 40), 20)
+    assert make_method("cake").taus(128) == (1.0, 1.0)  # no table needed without authors_tau
+
+
+def make_long_inputs(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer ``q [1, HQ, n, D]``, ``k, v [1, H, n, D]``, each layer's queries of another sharpness."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in range(LAYERS):
+        k = torch.randn(1, H, n, D, generator=g)
+        v = torch.randn(1, H, n, D, generator=g)
+        q = (0.5, 1.5, 3.0, 5.0)[layer] * torch.randn(1, HQ, n, D, generator=g)
+        out.append((q, k, v))
+    return out
+
+
+def run_method(method, inputs, budget: int) -> list[list[list[int]]]:
+    """Prefill layer by layer through a session; per step, every layer's head lengths."""
+    session = CompressionSession(method, LAYERS, budget=budget)
+    layers: list[BudgetLayer] = []
+    steps = []
+    for layer_idx, (q, k, v) in enumerate(inputs):
+        layer = BudgetLayer()
+        layer.update(k.clone(), v.clone())
+        layers.append(layer)
+        session.after_attention(layer_idx, q, layer, SCALE, layers)
+        steps.append([lay.head_lengths()[0].tolist() for lay in layers])
+    return steps
+
+
+def ref_preference(inputs_l, tau1: float, tau2: float) -> float:
+    """CAKE Eq. (layer preference): ``(−Σ A log A)^(1/τ1) · (Σ var_rows A)^(1/τ2)`` over the window
+    rows and the non-window keys of every query head, the window attention by hand."""
+    q, k, _ = (t[0].double().numpy() for t in inputs_l)
+    n = q.shape[1]
+    entropy = variance = 0.0
+    for qh in range(HQ):
+        rows = [ref_probs(q, k, qh, i)[: n - W] for i in range(n - W, n)]
+        for j in range(n - W):
+            col = [row[j] for row in rows]
+            mean = sum(col) / W
+            variance += sum((x - mean) ** 2 for x in col) / (W - 1)
+            entropy -= sum(x * math.log(x + 1e-10) for x in col)
+    return entropy ** (1.0 / tau1) * variance ** (1.0 / tau2)
+
+
+def test_cake_with_authors_tau_uses_their_preference():
+    """Qwen2.5-7B-Instruct at budget 128: the cascade's layer budgets are those of the preference
+    with the authors' ``(τ1, τ2) = (0.4, 0.6)``, not those of ``(1, 1)``."""
+    n, budget = 200, 128
+    inputs = make_long_inputs(1, n)
+    cake = make_method("cake", authors_tau=True, window=W)
+    cake.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
+    steps = run_method(cake, inputs, budget)
+    total, capacity = (budget - W) * LAYERS, n - W
+    theirs = ref_cascade([ref_preference(x, 0.4, 0.6) for x in inputs], total, capacity)
+    ours = ref_cascade([ref_preference(x, 1.0, 1.0) for x in inputs], total, capacity)
+    for layer_idx, step in enumerate(steps):
+        assert step == [[b + W] * H for b in theirs[layer_idx]], layer_idx
+    assert theirs[-1] != ours[-1]  # discriminating: the temperatures change the layer budgets
+    # at a budget they did not tune, τ = (1, 1)
+    cake = make_method("cake", authors_tau=True, window=W)
+    cake.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
+    steps = run_method(cake, inputs, 100)
+    plain = ref_cascade([ref_preference(x, 1.0, 1.0) for x in inputs], (100 - W) * LAYERS, capacity)
+    assert steps[-1] == [[b + W] * H for b in plain[-1]]
+
+
+def test_cake_authors_tau_on_a_named_tiny_model():
+    """The engine binds the model's name: a tiny random Qwen2 named ``Qwen/Qwen2.5-7B-Instruct``
+    gets the budgets of ``tau1 = 0.4, tau2 = 0.6`` at B = 128; unnamed, those of (1, 1)."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 90, (1, 300), generator=torch.Generator().manual_seed(4))
+
+    def budgets(method) -> torch.Tensor:
+        return kvbudget.compress(model, ids, method=method, budget=128).session.budgets[0]
+
+    unnamed = budgets(make_method("cake", authors_tau=True, window=8))
+    assert torch.equal(unnamed, budgets(make_method("cake", window=8)))
+    model.config._name_or_path = "Qwen/Qwen2.5-7B-Instruct"
+    named = budgets(make_method("cake", authors_tau=True, window=8))
+    assert torch.equal(named, budgets(make_method("cake", window=8, tau1=0.4, tau2=0.6)))
+    assert not torch.equal(named, unnamed)  # discriminating
+    assert int(named.sum()) == int(unnamed.sum()) == 128 * model.config.num_hidden_layers * 2

@@ -4,7 +4,9 @@ The reference computes Eq. 6 (LAVa score), Eq. 7–8 (normalised entropy), the c
 budgets of Alg. 2 and the flattened top-k of Alg. 1 with float64 numpy copies and explicit Python
 loops — a hand-written softmax over each causal prefix, max pooling by explicit windows, the GQA
 max over each group, the water-filling and largest-remainder rounding written out again — and never
-calls kvbudget's scoring, allocation or selection code.
+calls kvbudget's scoring, allocation or selection code. The ``floor_alpha`` tests port the authors'
+floor (MGDDestiny/Lava ``LavaKVCluster.update_kv_gqa``) line by line in torch; the ``lava`` preset's
+expected settings are LAVa App. D's words.
 """
 
 from __future__ import annotations
@@ -413,17 +415,161 @@ def test_lava_pyramid_uses_pyramid_layer_budgets():
     assert session.budgets[0].sum(1).tolist() == [H * c for c in (16, 12, 8, 4)]
 
 
-def test_lava_floor_alpha_guarantees_each_head_a_share():
-    inputs = make_inputs(SEEDS[0])
+# ------------------------------------------------------------------------------ the authors' floor
+def authors_floor_caps(scores: torch.Tensor, layer_total: int, alpha: float, configured: int) -> torch.Tensor:
+    """Port of the floor in MGDDestiny/Lava ``snapkv_utils.py``, ``LavaKVCluster.update_kv_gqa``.
+
+    ``scores: [heads, m]`` one layer's candidate scores (their ``attn_score``, window excluded);
+    ``layer_total``: the layer's top-k size (their ``num_heads·base_capacity // groups``); the
+    floor ``int(base_capacity·floor_ratio)`` is taken at construction from the configured budget
+    (``configured``, window included). Their lines: a ``topk`` over the flattened scores, head
+    index ``// length``, ``scatter_add_`` of ones, then ``round(count·(1 − α) + floor).int()``.
+    """
+    heads, length = scores.shape
+    flat = scores.reshape(1, heads * length)
+    sorted_indices = torch.topk(flat, k=layer_total, dim=-1).indices // length
+    head_capacity = torch.zeros((1, heads), dtype=sorted_indices.dtype)
+    head_capacity.scatter_add_(-1, sorted_indices, torch.ones_like(sorted_indices))
+    assert head_capacity.sum().item() == layer_total
+    floor_capacity = int(configured * alpha)
+    return torch.round(head_capacity * (1 - alpha) + floor_capacity).int()[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lava_floor_split_equals_the_authors_formula(seed):
+    """``split_for`` with ``floor_alpha`` on random scores: per head ``min(cap_h, held)`` with the
+    authors' ``cap_h``, at the first eviction and at a re-eviction, where ``n_h`` is recounted in
+    the layer's *first* flattened order (their stored ``sorted_indices``) — not in the entries
+    still held, which would give other counts."""
+    g = torch.Generator().manual_seed(seed)
+    heads, m = (2, 3, 4, 8, 2, 4)[seed], (20, 33, 50, 17, 64, 40)[seed]
+    alpha = (0.2, 0.2, 0.3, 0.5, 0.2, 1.0)[seed]
+    configured = (5, 10, 10, 12, 15, 16)[seed]
+    # continuous (no exact ties), heads of different scales (as V̄_h makes them): uneven winners
+    scores = torch.rand(heads, m, generator=g) ** 3 * torch.linspace(1.0, 3.0, heads)[:, None]
+    candidates = torch.ones(heads, m, dtype=torch.bool)
+    full = torch.full((heads,), m)
+    recount_differs = False
+    for first in range(1, heads * m, max(1, heads * m // 16)):
+        method = make_method("lava", floor_alpha=alpha)
+        counts = method.split_for(0, 0, configured, scores, candidates, first, full)
+        expected = torch.minimum(authors_floor_caps(scores, first, alpha, configured).long(), full)
+        assert counts.tolist() == expected.tolist(), first
+        for second in (first - 1, first // 2):  # re-evictions: budgets only shrink
+            # each head holds its own top ``counts[h]``
+            held = torch.zeros_like(candidates)
+            for h in range(heads):
+                held[h, torch.argsort(scores[h], descending=True)[: int(counts[h])]] = True
+            again = method.split_for(0, 0, configured, scores, held, second, counts)
+            expected = torch.minimum(authors_floor_caps(scores, second, alpha, configured).long(), counts)
+            assert again.tolist() == expected.tolist(), (first, second)
+            masked = scores.masked_fill(~held, float("-inf"))
+            if int(held.sum()) >= second:  # a top-``second`` over the held entries exists
+                in_held = authors_floor_caps(masked, second, alpha, configured).long()
+                recount_differs = (
+                    recount_differs or torch.minimum(in_held, counts).tolist() != expected.tolist()
+                )
+            counts = again
+    assert recount_differs or alpha == 1.0  # discriminating: the first order matters
+    # a budget that reaches the layer's candidates keeps them all
+    method = make_method("lava", floor_alpha=alpha)
+    assert method.split_for(0, 0, configured, scores, candidates, heads * m, full).tolist() == full.tolist()
+
+
+def ref_floored_lava(inputs, alpha: float, budget: int = BUDGET):
+    """The cascade of ``ref_lava`` with the authors' floor: per step, per layer seen, the candidates
+    each head holds, and the final kept sets. ``n_h`` is counted in the layer's first flattened
+    order (ties to the earlier head, then token), the cap rounded half to even in float32 as the
+    port; a layer keeps ``min(cap_h, held_h)``, or all its candidates once ``B_l`` reaches them."""
+    scores = [ref_lava_scores(x) for x in inputs]
+    entropies = [ref_entropy(s) for s in scores]
+    m = N - W
+    steps = ref_cascade(entropies, (budget - W) * LAYERS * H, H * m)
+    orders = []
+    for s in scores:
+        triples = sorted(
+            ((s[h][j], h, j) for h in range(H) for j in range(m)), key=lambda t: (-t[0], t[1], t[2])
+        )
+        orders.append(triples)
+    held = [[m] * H for _ in range(LAYERS)]
+    per_step = []
+    for step, budgets in enumerate(steps):
+        for layer, b_l in enumerate(budgets):
+            if b_l >= H * m:
+                continue
+            check_cut([t[0] for t in orders[layer]], b_l)
+            winners = [sum(1 for t in orders[layer][:b_l] if t[1] == h) for h in range(H)]
+            caps = torch.round(torch.tensor(winners) * (1 - alpha) + int(budget * alpha)).int().tolist()
+            held[layer] = [min(c, x) for c, x in zip(caps, held[layer], strict=True)]
+        per_step.append([list(held[layer]) for layer in range(step + 1)])
+    kept = []
+    for layer in range(LAYERS):
+        heads = []
+        for h in range(H):
+            order = sorted(range(m), key=lambda j: -scores[layer][h][j])
+            check_cut([scores[layer][h][j] for j in order], held[layer][h])
+            heads.append(set(order[: held[layer][h]]) | set(range(N - W, N)))
+        kept.append(heads)
+    return steps, per_step, kept
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lava_floor_keeps_the_authors_floored_heads_through_the_cascade(seed):
+    """``lava`` with ``floor_alpha = 0.2`` (the authors' default) against the Eq. 6 / Alg. 2
+    reference with the ported floor: every head's length after every cascade step, the final kept
+    sets, and the layer totals drifting from ``B_l`` as the authors' code lets them."""
+    alpha = 0.2
+    inputs = make_inputs(seed)
+    steps, per_step, kept = ref_floored_lava(inputs, alpha)
+    layers, session, lib_steps = run_library("lava", {**LAVA_OPTIONS, "floor_alpha": alpha}, inputs)
+    for step, lengths in enumerate(lib_steps):
+        assert lengths == [[x + W for x in heads] for heads in per_step[step]], step
+    for layer_idx, layer in enumerate(layers):
+        for h in range(H):
+            assert layer.head(h)[2][0].tolist() == sorted(kept[layer_idx][h]), (layer_idx, h)
+    final = [sum(heads) for heads in per_step[-1]]
+    assert final != steps[-1]  # the floor makes layer totals drift from B_l
+    assert sum(final) != (BUDGET - W) * LAYERS * H  # and the model's total from T
     _, _, plain = run_library("lava", LAVA_OPTIONS, inputs)
-    _, _, floored = run_library("lava", {**LAVA_OPTIONS, "floor_alpha": 1.0}, inputs)
-    # α = 1: every head gets B_l / H exactly (the even split), totals unchanged
-    last_plain, last_floor = plain[-1], floored[-1]
-    assert [sum(x) for x in last_plain] == [sum(x) for x in last_floor]
-    assert all(max(x) - min(x) <= 1 for x in last_floor)
-    assert any(max(x) - min(x) > 1 for x in last_plain)  # without the floor the heads differ
+    assert plain[-1] != lib_steps[-1]  # discriminating: the floor changed what the heads keep
+    assert all("lava_score" not in layer.state for layer in layers)
+
+
+def test_lava_floor_alpha_is_checked_and_needs_the_flattened_split():
     with pytest.raises(UnknownMethodError):
         make_method("lava", floor_alpha=1.5)
+    with pytest.raises(UnknownMethodError) as info:
+        make_method("lava-nohead", floor_alpha=0.2)
+    assert "\n" not in str(info.value) and "floor_alpha" in str(info.value)
+    make_method("lava-uniform", floor_alpha=0.2)  # the flattened split: accepted
+    make_method("lava-pyramid", floor_alpha=0.2)
+    assert make_method("lava").floor_alpha == 0.0  # the paper's default
+
+
+# ------------------------------------------------------------------------------ the lava preset
+#: LAVa App. D: "For pooling operation, for all methods, we adopt maxpool function and set kernel
+#: size as 7"; window 32 from the authors' configs (MGDDestiny/Lava, c{B}_w32_k7_maxpool.json)
+LAVA_APP_D = {"kernel": 7, "pooling": "max", "window": 32}
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "cake"])
+def test_lava_preset_gives_every_baseline_app_d_pooling(name):
+    method = make_method(f"{name}@lava")
+    assert type(method) is type(make_method(name))
+    assert {key: getattr(method, key) for key in LAVA_APP_D} == LAVA_APP_D
+    # explicit options win over the preset
+    overridden = make_method(f"{name}@lava", kernel=5, pooling="avg", window=16)
+    assert (overridden.kernel, overridden.pooling, overridden.window) == (5, "avg", 16)
+
+
+def test_lava_preset_cake_takes_the_authors_taus():
+    assert make_method("cake").authors_tau is False  # discriminating: the plain method does not
+    assert (make_method("cake").kernel, make_method("cake").pooling) == (5, "avg")
+    cake = make_method("cake@lava")
+    assert cake.authors_tau is True and (cake.tau1, cake.tau2, cake.gamma) == (1.0, 1.0, 200.0)
+    assert make_method("cake@lava", authors_tau=False).authors_tau is False
+    with pytest.raises(UnknownMethodError):
+        make_method("lava@lava")  # the preset covers LAVa's baselines only
 
 
 # ------------------------------------------------------------------------------ end to end (tiny model)

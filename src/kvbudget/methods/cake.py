@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import PurePath
+from typing import Any, ClassVar
 
 import torch
 
@@ -13,6 +14,40 @@ from kvbudget.methods.cascade import LayerwiseMethod, pool_candidates
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import protected_mask, select_keep
+
+#: The CAKE authors' per-model temperatures (antgroup/cakekv,
+#: ``experiments/LongBench/config/model2tau.json``): checkpoint (the folder names of their
+#: ``model2path.json``) → budget ``B`` per head, window included (their ``--cache_size``) →
+#: ``(τ1, τ2)``. Their ``pred_cake.py`` falls back to ``τ1 = τ2 = 1`` for any other model or budget.
+AUTHORS_TAU: dict[str, dict[int, tuple[float, float]]] = {
+    "Llama-2-7b-chat-hf": {128: (0.9, 2.3), 1024: (1.9, 1.8)},
+    "Llama-2-13b-chat-hf": {128: (1.8, 2.0), 1024: (0.5, 0.4)},
+    "Meta-Llama-3.1-8B-Instruct": {128: (1.6, 0.6), 1024: (1.6, 0.4)},
+    "Mistral-7B-Instruct-v0.3": {128: (1.0, 0.8), 1024: (0.8, 0.5)},
+    "Qwen2.5-7B-Instruct": {128: (0.4, 0.6), 1024: (1.5, 0.6)},
+}
+
+#: other names of an :data:`AUTHORS_TAU` checkpoint: the hub renamed
+#: ``meta-llama/Meta-Llama-3.1-8B-Instruct`` to ``meta-llama/Llama-3.1-8B-Instruct``
+AUTHORS_TAU_ALIASES: dict[str, str] = {"Llama-3.1-8B-Instruct": "Meta-Llama-3.1-8B-Instruct"}
+
+
+def authors_checkpoint(name_or_path: str) -> str | None:
+    """The :data:`AUTHORS_TAU` checkpoint a model's ``name_or_path`` names, or ``None``.
+
+    A path component equal to a listed checkpoint or one of its :data:`AUTHORS_TAU_ALIASES`
+    (case-insensitive) names it — a hub id ``Qwen/Qwen2.5-7B-Instruct``, a local
+    ``/models/Qwen2.5-7B-Instruct``, or a hub cache folder ``models--Qwen--Qwen2.5-7B-Instruct``
+    (or a path below it). Other checkpoints of a family (base models, other sizes, quantised
+    copies) and kvbudget's own models (``smollm2-135m``, ``qwen2.5-coder-0.5b``) are not listed.
+    """
+    listed = {name.lower(): name for name in AUTHORS_TAU}
+    listed.update({alias.lower(): name for alias, name in AUTHORS_TAU_ALIASES.items()})
+    for part in PurePath(str(name_or_path)).parts:
+        for candidate in (part, part.split("--")[-1]):
+            if candidate.lower() in listed:
+                return listed[candidate.lower()]
+    return None
 
 
 @dataclass
@@ -42,6 +77,23 @@ class CAKE(LayerwiseMethod):
     are per batch row (the code sums them over the batch); pooling at decode runs over each row's
     candidates only (identical for a batch of one).
 
+    **Decode pooling by position** (our choice): at decode time we pool each entry with its
+    neighbours in token order (the cache keeps entries sorted by position). The authors' code
+    pools neighbours in *storage* order, which is score order: its eviction gathers the ``topk``
+    indices unsorted (``cake/cake_cache.py``, ``CakeprefillKVCache.evcit_layer_kvcache`` at the
+    prefill and ``CakeDecodingKVCache_LayerWise.__call__``, whose ``indices.sort()`` is commented
+    out right after the ``topk``), and its ``avg_pool1d`` then smooths over entries adjacent in
+    that order — neighbours in score, not in the text. Pooling smooths over nearby tokens
+    (SnapKV's rationale), so we keep the positional order.
+
+    **Temperatures**: ``tau1``/``tau2`` default to 1, the paper's default. With ``authors_tau``
+    the authors' per-model values (:data:`AUTHORS_TAU`, from their ``model2tau.json``) replace them
+    when the model is listed and the row's budget is one they tuned (128 or 1024); otherwise
+    ``tau1``/``tau2`` stay (their ``pred_cake.py`` falls back to 1, 1 there, and never reads its
+    ``--tau1``/``--tau2`` flags; ours keeps the options in force). The model is named by its
+    config's ``name_or_path`` (:func:`authors_checkpoint`), bound by :meth:`prepare`. Listed:
+    Llama-2-7b/13b-chat, Llama-3.1-8B-Instruct, Mistral-7B-Instruct-v0.3, Qwen2.5-7B-Instruct.
+
     Reference: Qin et al., "CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences",
     ICLR 2025 (openreview EQgEMAD4kv).
 
@@ -50,6 +102,7 @@ class CAKE(LayerwiseMethod):
         kernel: pooling kernel (5). pooling: ``avg`` (default) or ``max``.
         gamma: weight of the variance in the eviction score (200).
         tau1, tau2: temperatures of the entropy and the variance in the preference (1, 1).
+        authors_tau: use the authors' per-model ``(τ1, τ2)`` where they publish them (False).
     """
 
     name: ClassVar[str] = "cake"
@@ -64,6 +117,7 @@ class CAKE(LayerwiseMethod):
     gamma: float = 200.0
     tau1: float = 1.0
     tau2: float = 1.0
+    authors_tau: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -76,6 +130,31 @@ class CAKE(LayerwiseMethod):
         for name in ("tau1", "tau2"):
             if not getattr(self, name) > 0.0:
                 raise UnknownMethodError(f"cake: {name} must be > 0, got {getattr(self, name)}")
+
+    # ------------------------------------------------------------------ temperatures
+    def prepare(self, model: Any) -> None:
+        """Bind the model's entry of :data:`AUTHORS_TAU` (``authors_tau`` only)."""
+        config = getattr(model, "config", None)
+        name = getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or ""
+        checkpoint = authors_checkpoint(name)
+        self.__dict__["_authors_taus"] = AUTHORS_TAU.get(checkpoint, {}) if checkpoint else {}
+        self.__dict__["_authors_checkpoint"] = checkpoint
+
+    def taus(self, budget: int) -> tuple[float, float]:
+        """``(τ1, τ2)`` for a row whose budget is ``budget`` (entries per head, window included)."""
+        if not self.authors_tau:
+            return self.tau1, self.tau2
+        table = self.__dict__.get("_authors_taus")
+        if table is None:
+            raise UnknownMethodError(
+                "cake: authors_tau needs the model's name: call method.prepare(model) first "
+                "(kvbudget.generate, compress and the eval runner do)"
+            )
+        return table.get(int(budget), (self.tau1, self.tau2))
+
+    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        self.__dict__["_targets"] = list(targets)
+        return super().compress(obs, targets)
 
     def score(self, obs: Observation) -> torch.Tensor:
         probs = obs.window_probs(self.window)  # [b, hq, rows, n]
@@ -97,7 +176,7 @@ class CAKE(LayerwiseMethod):
     ) -> float:
         columns = candidates[0].nonzero().flatten()  # the prefill layout: the same keys in every head
         probs = obs.window_probs(self.window)[row][:, :, columns]  # [hq, w, L − w]
-        return cake_preference(probs, self.tau1, self.tau2)
+        return cake_preference(probs, *self.taus(self.__dict__["_targets"][row]))
 
     def selection_order(self) -> str | None:
         return "head"  # every head keeps its own top ``total``: a prefix of its order

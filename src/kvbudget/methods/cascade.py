@@ -201,6 +201,22 @@ class LayerwiseMethod(Method):
         """
         raise NotImplementedError
 
+    def split_for(
+        self,
+        row: int,
+        layer_idx: int,
+        target: int,
+        scores: torch.Tensor,
+        candidates: torch.Tensor,
+        total: int,
+        bounds: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`split` for batch row ``row`` of layer ``layer_idx`` whose budget is ``target``
+        (entries per head, window included): what :meth:`compress` and :meth:`rebalance` call.
+        Override it when the split depends on more than the scores — LAVa's floor keeps the layer's
+        first order and takes its size from ``target``. Same arguments and result as :meth:`split`."""
+        return self.split(scores, candidates, total, bounds)
+
     def selection_order(self) -> str | None:
         """``"flat"`` or ``"head"`` if what :meth:`split` and :func:`~kvbudget.selection.select_keep`
         keep at a candidate budget is always the first ``total`` of one fixed order of the layer's
@@ -269,7 +285,9 @@ class LayerwiseMethod(Method):
                 ranks[r] = candidate_ranks(scores[r], candidates, protected[r], order)
                 thresholds[r] = total
                 continue
-            counts = self.split(scores[r], candidates, total, candidates.sum(-1).cpu())
+            counts = self.split_for(
+                r, obs.layer_idx, target, scores[r], candidates, total, candidates.sum(-1).cpu()
+            )
             kept[r] = counts + protected[r].sum(-1).cpu()
         if ranks is not None:
             keep, kept = below(ranks, thresholds)
@@ -314,7 +332,7 @@ class LayerwiseMethod(Method):
                 protected[r] = protected_mask(positions[r : r + 1], self.window_for(target), self.sinks)[0]
                 candidates = valid[r] & ~protected[r]
                 have = candidates.sum(-1).cpu()
-                counts = self.split(scores[r], candidates, rp.budgets[i], have)
+                counts = self.split_for(r, i, target, scores[r], candidates, rp.budgets[i], have)
                 if not torch.equal(counts, have):
                     changed = True
                 kept[r] = counts + protected[r].sum(-1).cpu()

@@ -48,13 +48,27 @@ class LAVa(LayerwiseMethod):
     fast path of :mod:`kvbudget.methods.cascade`; same entries as re-running Alg. 1). Final
     budgets are proportional to the entropies (up to caps and rounding).
 
-    Differences from the authors' code (MGDDestiny/Lava): ``V̄_h`` runs over all entries as in
-    Eq. 6 (the code skips the window's values); no floor by default — the code adds AdaKV's floor
-    (α = 0.2) computed from the *configured* budget, which makes a layer's total drift from
-    ``B_l``; here ``floor_alpha`` (default 0, the paper) guarantees each head ``α·B_l/H`` of the
-    *layer's* budget and keeps the layer total exact; budgets are integerised by largest
-    remainder with exact total (the code truncates each layer's share, losing up to one entry per
-    layer); exact score ties go to the earlier head, then the earlier token.
+    **Floor** (``floor_alpha = α > 0``; not in the paper, default 0): the authors' code
+    (MGDDestiny/Lava, ``adaptive_snapkv/monkeypatch/snapkv_utils.py``, ``LavaKVCluster``,
+    ``update_kv_gqa`` / ``re_update_kv_gqa``; ``--floor_alpha`` defaults to 0.2 in
+    ``experiments/LongBench/pred.py``) gives each head AdaKV's floor on top of its share of the
+    flattened top-k: with ``n_h`` the head's winners among the first ``B_l`` of the layer's
+    flattened order (all of its candidates, scored once), the head keeps its top
+    ``cap_h = round(n_h·(1 − α) + ⌊α·B⌋)`` candidates (half to even) plus the window, where ``B`` is
+    the *configured* budget per head, window included — the code's layer loop assigns the
+    per-layer floor to a misspelt attribute, so the floor computed at construction from the
+    configured budget is the one used. ``Σ_h cap_h`` is not ``B_l``: the cache's total drifts from
+    ``T`` (larger for low-entropy layers, smaller for high ones). Re-eviction recounts ``n_h`` in
+    the layer's first order at the new ``B_l`` and keeps ``min(cap_h, held)``; a layer whose
+    budget reaches its candidates keeps them all (the code skips a layer whose per-head budget
+    exceeds ``L − w``). Applies to ``lava``, ``lava-uniform``, ``lava-pyramid`` (not
+    ``lava-nohead``, whose heads split evenly); selection then takes the generic path.
+
+    Other differences from the authors' code: ``V̄_h`` runs over all entries as in Eq. 6 (the code
+    skips the window's values); layer budgets are integerised over all ``H·layers`` entries by
+    largest remainder with exact total (the code truncates each layer's per-head share, losing up
+    to ``H`` entries per layer); exact score ties go to the earlier head, then the earlier token
+    (the code's ``topk`` leaves them unspecified).
 
     Reference: Shen et al., "LAVa: Layer-wise KV Cache Eviction with Dynamic Budget Allocation"
     (arXiv:2509.09754).
@@ -62,7 +76,8 @@ class LAVa(LayerwiseMethod):
     Args:
         window: observation window, always kept (32). kernel: pooling kernel (7).
         pooling: ``max`` (default) or ``avg``.
-        floor_alpha: share of the even head split every head is guaranteed (default 0).
+        floor_alpha: the authors' code's per-head floor ``α`` (default 0 = the paper; their
+            code runs 0.2).
     """
 
     name: ClassVar[str] = "lava"
@@ -81,6 +96,11 @@ class LAVa(LayerwiseMethod):
         super().validate()
         if not 0.0 <= self.floor_alpha <= 1.0:
             raise UnknownMethodError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
+        if self.floor_alpha > 0.0 and self.head_split != "flat":
+            raise UnknownMethodError(
+                f"{self.name}: floor_alpha applies to the flattened head split only (this method splits "
+                f"each layer evenly), got {self.floor_alpha}"
+            )
 
     def score(self, obs: Observation) -> torch.Tensor:
         probs = obs.window_probs(self.window)  # [b, hq, rows, n]
@@ -113,7 +133,79 @@ class LAVa(LayerwiseMethod):
         if self.head_split == "even":
             return even_head_budgets(total, bounds)
         masked = scores.float().masked_fill(~candidates, float("-inf"))
-        return flattened_head_budgets(masked, total, self.floor_alpha, bounds)
+        return flattened_head_budgets(masked, total, 0.0, bounds)
+
+    # ------------------------------------------------------------------ the authors' floor
+    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        if obs.layer_idx == 0:
+            self.__dict__["_first_orders"] = {}  # (row, layer) → the layer's first flattened order
+        return super().compress(obs, targets)
+
+    def rebalance(self, layers: list, targets: list[int | None]) -> None:
+        super().rebalance(layers, targets)
+        if len(layers) >= self.__dict__.get("_num_layers", 1 << 30):
+            self.__dict__.pop("_first_orders", None)
+
+    def split_for(
+        self,
+        row: int,
+        layer_idx: int,
+        target: int,
+        scores: torch.Tensor,
+        candidates: torch.Tensor,
+        total: int,
+        bounds: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.floor_alpha == 0.0:
+            return self.split(scores, candidates, total, bounds)
+        orders = self.__dict__.setdefault("_first_orders", {})
+        key = (row, layer_idx)
+        # the layer's own prefill orders its candidates; a re-eviction recounts in that first order
+        order, capacity = orders[key] if key in orders else first_flat_order(scores, candidates)
+        counts = floored_head_budgets(order, capacity, total, target, self.floor_alpha, bounds)
+        if self.cascading:  # kept for the re-evictions; budgets only shrink from here
+            orders[key] = (order[: min(total, capacity)], capacity)
+        return counts
+
+
+def first_flat_order(scores: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A layer's candidates in LAVa's flattened order, as head indices, and how many there are.
+
+    Args:
+        scores: ``[kv_heads, n]`` one batch row's scores; candidates: ``[kv_heads, n]`` bool.
+    Returns:
+        ``[c]`` int16 head index of each candidate, score descending (exact ties to the earlier
+        head, then the earlier slot), and ``c``: the first ``k`` of it are the flattened top-``k``.
+    """
+    n = scores.shape[1]
+    masked = scores.float().masked_fill(~candidates, float("-inf"))
+    capacity = int(candidates.sum())
+    order = torch.sort(masked.reshape(-1), descending=True, stable=True).indices[:capacity]
+    return (order // n).to(torch.int16).cpu(), capacity
+
+
+def floored_head_budgets(
+    order: torch.Tensor, capacity: int, total: int, budget: int, alpha: float, bounds: torch.Tensor
+) -> torch.Tensor:
+    """The authors' floored head split of one layer of one batch row (MGDDestiny/Lava).
+
+    Args:
+        order: ``[≥ min(total, capacity)]`` head index of the layer's candidates in their first
+            flattened order (:func:`first_flat_order`); capacity: how many candidates the layer had.
+        total: the layer's candidate budget ``B_l`` (entries over all heads, window excluded).
+        budget: the configured budget per head ``B`` (window included); the floor is ``⌊α·B⌋``.
+        alpha: the floor share ``α``. bounds: ``[kv_heads]`` candidates each head holds now.
+    Returns:
+        ``[kv_heads]`` int64 candidates each head keeps: ``min(round(n_h·(1 − α) + ⌊α·B⌋), bound_h)``
+        (round half to even, in float32 as the code computes it) with ``n_h`` the head's count among
+        the first ``total`` of ``order``; all it holds once ``total`` reaches ``capacity``.
+    """
+    bounds = bounds.long().cpu()
+    if total >= capacity:
+        return bounds.clone()
+    winners = torch.bincount(order[:total].long(), minlength=bounds.numel())
+    caps = torch.round(winners.float() * (1.0 - alpha) + int(alpha * budget)).long()
+    return torch.minimum(caps, bounds)
 
 
 @dataclass

@@ -43,11 +43,28 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "gemfilter": {"filter_layer_fraction": 0.5},
     },
     # --- lava: LAVa's Appendix D settings (entries below) ---
+    # App. D: "For pooling operation, for all methods, we adopt maxpool function and set kernel
+    # size as 7"; window 32 from the authors' configs (MGDDestiny/Lava, experiments/*/config/
+    # c{B}_w32_k7_maxpool.json). The baselines of its tables: PyramidKV, SnapKV, Ada-SnapKV,
+    # Ada-PyramidKV, CAKE. β of (Ada-)PyramidKV was "set to (5, 10, 20)" with the best result kept
+    # per setting — no single value; ours stays 20, in that grid. CAKE's τ1, τ2 and γ were tuned
+    # over grids (1/τ in 0.2…2, γ in 0…200) with the pick unpublished; here CAKE takes its authors'
+    # per-model τ1/τ2 (antgroup/cakekv model2tau.json, B = 128 and 1024; Qwen2.5-7B-Instruct is
+    # listed, LAVa's Mistral-7B-Instruct-v0.2 is not) where published, else ours (1, 1), and
+    # γ = 200 (in LAVa's grid). AdaKV's floor stays 0.2.
+    "lava": {
+        "snapkv": {"window": 32, "kernel": 7, "pooling": "max"},
+        "pyramidkv": {"window": 32, "kernel": 7, "pooling": "max"},
+        "ada-snapkv": {"window": 32, "kernel": 7, "pooling": "max"},
+        "ada-pyramidkv": {"window": 32, "kernel": 7, "pooling": "max"},
+        "cake": {"window": 32, "kernel": 7, "pooling": "max", "authors_tau": True},
+    },
 }
 
 #: preset → where its settings come from (shown by ``kvbudget methods``)
 PRESET_SOURCES: dict[str, str] = {
     # --- sources (one line per preset) ---
+    "lava": "LAVa (Shen et al.) App. D: max-pool 7 for all, window 32 (authors' configs); CAKE τ from cakekv",
     "asl": "ASL (Taniguchi et al.) App. C.2 + authors' code (GQA sum); FastKV 15/32, 14/28; GemFilter 14/28",
 }
 

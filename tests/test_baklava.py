@@ -14,7 +14,7 @@ import kvbudget
 from conftest import tiny_model, tiny_tokenizer
 from kvbudget.allocation import baklava_reallocate, kmeans_1d, squeeze_layer_weights
 from kvbudget.cli import app
-from kvbudget.errors import BudgetError, ProfileError
+from kvbudget.errors import BudgetError, ProfileError, UnknownMethodError
 from kvbudget.methods.profiled import bounded_budgets
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import (
@@ -379,6 +379,27 @@ def test_baklava_moves_memory_only_inside_each_layer():
     # the same split for SqueezeAttention, every head of a layer equal
     squeeze = _bound("squeezeattention", _six_layer_profile(4, SIX_IMPORTANCE), p=0.5)
     assert squeeze.cache_budgets(64, 400, 0.16).tolist() == [[b] * 4 for b in split]
+
+
+def test_baklava_model_scope_reallocates_over_every_cache_of_the_model():
+    """``scope="model"`` (our own variant): Alg. 2 over all 24 caches, each starting at its layer's
+    split share; important heads take memory from other layers."""
+    method = _bound("baklava", _six_layer_profile(4, SIX_IMPORTANCE), t=0.3, r=0.5, p=0.5, scope="model")
+    budgets = method.cache_budgets(64, 400, 0.16)
+    # base [96, 32, 32, 96, 96, 32] per layer; 12 caches have I < 0.3 and give up half their base:
+    # 2·48 + 16 + 3·16 + 4·48 + 2·16 = 384; k = min(12, 12) = 12 receivers (every cache with
+    # I ≥ 0.3) get 384 / 12 = 32 each
+    assert budgets.tolist() == [
+        [48, 128, 48, 128],
+        [16, 64, 64, 64],
+        [16, 16, 16, 64],
+        [128, 128, 128, 128],
+        [48, 48, 48, 48],
+        [64, 16, 64, 16],
+    ]
+    assert int(budgets.sum()) == 64 * 24  # the model total is exact; the layer totals moved
+    with pytest.raises(UnknownMethodError, match="scope must be layer or model, got 'all'"):
+        make_method("baklava", scope="all")
 
 
 def test_baklava_caps_a_cache_at_the_prompt_and_gives_the_rest_to_its_layer():

@@ -50,13 +50,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "d2o-heavy-authors": (
         "d2o", {"merge_targets": "heavy", "weighting": "authors", "decision": "authors", "beta": 0.5}
     ),
+    # diagnostic ablations, not options of the method: d2o's merge with one half of it undone
+    "d2o-keys-only": ("d2o", {}),
+    "d2o-values-only": ("d2o", {}),
 }  # fmt: skip
+#: ablations: which half of each merge is kept (the other is restored to the pre-merge entries)
+PARTS = {"d2o-keys-only": "keys", "d2o-values-only": "values"}
 DEFAULT_VARIANTS = (
     "d2o-nomerge,d2o,h2o,d2o-heavy,d2o-authors-weighting,d2o-authors-decision,d2o-fixed-0.9"
 )
 REFERENCE = "d2o-nomerge"
 LAYER_COLUMNS = ("merges_per_kept", "merge_rate", "share_sink", "share_heavy", "share_recent", "dk_rel",
-                 "k_norm_ratio", "best_sim")  # fmt: skip
+                 "k_norm_ratio", "dv_rel", "best_sim", "k_cos_merged", "v_cos_merged")  # fmt: skip
 OUT = Path("runs/d2o-merge/results.jsonl")
 
 
@@ -85,7 +90,7 @@ class LayerMergeStats:
     """Per-layer counters filled by :meth:`D2O.watch_merges` events."""
 
     FIELDS = ("evicted", "merged", "on_sink", "on_heavy", "on_recent", "touched", "dk_rel", "k_norm_ratio",
-              "dv_rel", "best_sum", "best_merged_sum")  # fmt: skip
+              "dv_rel", "best_sum", "best_merged_sum", "v_cos_merged_sum")  # fmt: skip
 
     def __init__(self, layers: int) -> None:
         self.data = {f: [0.0] * layers for f in self.FIELDS}
@@ -106,6 +111,12 @@ class LayerMergeStats:
         d["on_recent"][i] += int((merged & (target_kind == RECENT)).sum())
         d["best_sum"][i] += float(res.similarity.sum())
         d["best_merged_sum"][i] += float((res.similarity * merged).sum())
+        if event.evicted_values is not None:  # cos(v_i, v_nearest) of the merged pairs: keys match, values?
+            target_v = event.values.float().gather(
+                1, res.nearest[..., None].expand(-1, -1, event.values.shape[-1])
+            )  # [h, E, d]
+            v_cos = torch.nn.functional.cosine_similarity(event.evicted_values.float(), target_v, dim=-1)
+            d["v_cos_merged_sum"][i] += float((v_cos * merged).sum())
         received = torch.zeros(event.kinds.shape, dtype=torch.int64, device=merged.device)
         received.scatter_add_(1, res.nearest, merged.long())
         touched = received > 0  # [h, S]
@@ -123,6 +134,28 @@ class LayerMergeStats:
 
 
 # ------------------------------------------------------------------------------ run
+def merge_only(part: str | None) -> None:
+    """Diagnostic ablation: make D2O keep only the ``keys`` or the ``values`` half of every merge
+    (the other half of each kept entry stays as it was before the merge); ``None`` restores the
+    plain merge. Patches the ``d2o_merge`` that :mod:`kvbudget.methods.d2o` calls."""
+    import kvbudget.methods.d2o as d2o_module
+    from kvbudget.merging import d2o_merge
+
+    if part is None:
+        d2o_module.d2o_merge = d2o_merge
+        return
+
+    def partial_merge(kept_keys: Any, kept_values: Any, *args: Any, **kwargs: Any) -> Any:
+        out = d2o_merge(kept_keys, kept_values, *args, **kwargs)
+        if part == "keys":
+            out.values = kept_values
+        else:
+            out.keys = kept_keys
+        return out
+
+    d2o_module.d2o_merge = partial_merge
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
 
@@ -163,6 +196,7 @@ def run(args: argparse.Namespace) -> None:
         ids = torch.tensor([list(ids_all[offset : offset + args.length])])
         name, options = VARIANTS[label]
         method = make_method(name, **options)
+        merge_only(PARTS.get(label))
         stats = LayerMergeStats(layers)
         if isinstance(method, D2O):
             method.watch_merges(stats)
@@ -200,7 +234,7 @@ def merge_totals(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     rows = [r for r in rows if "layer_stats" in r]
     if not rows:
         return None
-    fields = rows[0]["layer_stats"].keys()
+    fields = set.intersection(*(set(r["layer_stats"]) for r in rows))
     layers = len(rows[0]["layer_budgets"])
     s = {f: np.sum([r["layer_stats"][f] for r in rows], axis=0) for f in fields}
     kept = np.sum([np.array(r["layer_budgets"]) * r["kv_heads"] for r in rows], axis=0)  # entries held
@@ -219,6 +253,8 @@ def merge_totals(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         "k_norm_ratio": ratio(s["k_norm_ratio"], s["touched"]),
         "dv_rel": ratio(s["dv_rel"], s["touched"]),
         "best_sim": ratio(s["best_sum"], s["evicted"]),
+        "k_cos_merged": ratio(s["best_merged_sum"], s["merged"]),
+        "v_cos_merged": ratio(s.get("v_cos_merged_sum", np.full(layers, np.nan)), s["merged"]),
     }
     total = {
         "merges_per_kept": float(s["merged"].sum() / kept.sum()),
@@ -230,6 +266,10 @@ def merge_totals(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         "k_norm_ratio": float(s["k_norm_ratio"].sum() / max(s["touched"].sum(), 1)),
         "dv_rel": float(s["dv_rel"].sum() / max(s["touched"].sum(), 1)),
         "best_sim": float(s["best_sum"].sum() / max(s["evicted"].sum(), 1)),
+        "k_cos_merged": float(s["best_merged_sum"].sum() / max(s["merged"].sum(), 1)),
+        "v_cos_merged": float(
+            s["v_cos_merged_sum"].sum() / max(s["merged"].sum(), 1) if "v_cos_merged_sum" in s else math.nan
+        ),
     }
     return {"layers": layers, "per_layer": {k: v.tolist() for k, v in per_layer.items()}, "total": total}
 
@@ -261,8 +301,9 @@ def summary(args: argparse.Namespace) -> None:
           f"95% bootstrap intervals over passages ({args.resamples} resamples)")  # fmt: skip
     print()
     print("| variant | perplexity [95% CI] | Δ ppl vs d2o-nomerge [95% CI] | merges / kept entry "
-          "| merged / evicted | on sinks / heavy / recent | ‖Δk‖/‖k‖ | ‖k′‖/‖k‖ | ‖Δv‖/‖v‖ |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| merged / evicted | on sinks / heavy / recent | ‖Δk‖/‖k‖ | ‖k′‖/‖k‖ | ‖Δv‖/‖v‖ "
+          "| cos k (merged) | cos v (merged) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     out_rows = []
     for label in labels:
         nll = np.array([by[(label, p)]["nll"] for p in passages])
@@ -281,9 +322,9 @@ def summary(args: argparse.Namespace) -> None:
         )
         delta = "0 (reference)" if label == REFERENCE else f"{d:+.3f} [{dlo:+.3f}, {dhi:+.3f}]"
         cells = [fmt(t.get(k, math.nan)) for k in ("merges_per_kept", "merge_rate", "dk_rel", "k_norm_ratio",
-                                                    "dv_rel")]  # fmt: skip
+                                                    "dv_rel", "k_cos_merged", "v_cos_merged")]  # fmt: skip
         print(f"| {label} | {ppl:.3f} [{lo:.3f}, {hi:.3f}] | {delta} | {cells[0]} | {cells[1]} | {shares} "
-              f"| {cells[2]} | {cells[3]} | {cells[4]} |")  # fmt: skip
+              f"| {cells[2]} | {cells[3]} | {cells[4]} | {cells[5]} | {cells[6]} |")  # fmt: skip
         out_rows.append({**key, "variant": label, "options": by[(label, passages[0])]["options"],
                          "passages": passages, "perplexity": ppl, "ci95": [lo, hi],
                          "delta_vs_nomerge": d, "delta_ci95": [dlo, dhi], "lower_nll_than_nomerge": wins,
@@ -297,8 +338,8 @@ def summary(args: argparse.Namespace) -> None:
         print(f"Per layer, {label} (sums over the {n} passages):")
         print()
         print("| layer | S_l | merges / kept | merged / evicted | on sinks | on heavy | on recent | ‖Δk‖/‖k‖ "
-              "| ‖k′‖/‖k‖ | best cos |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| ‖k′‖/‖k‖ | ‖Δv‖/‖v‖ | best cos | cos k (merged) | cos v (merged) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for i in range(rec["merges"]["layers"]):
             cells = [fmt(pl[k][i]) for k in LAYER_COLUMNS]
             print(f"| {i} | {pl['layer_budget'][i]:.0f} | " + " | ".join(cells) + " |")

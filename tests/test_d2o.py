@@ -690,6 +690,7 @@ def test_heavy_targets_leave_sinks_and_recent_window_exact_and_match_the_referen
         for name, evs in events.items()
     }
     assert len(events["heavy"]) == 3 + 6 and bool((landed["heavy"] == HEAVY).all())
+    assert all(e.evicted_keys.shape[:2] == e.result.merged.shape for e in events["heavy"])
     assert bool(((landed["all"] == SINK) | (landed["all"] == RECENT)).any())
 
 

@@ -32,6 +32,7 @@ class MergeEvent:
         keys, values: ``[h, S, d]`` the kept entries before the merge.
         result: the merge (``result.keys``/``values`` after it; ``merged``/``nearest``/``similarity``
             per evicted entry).
+        evicted_keys, evicted_values: ``[h, E, d]`` the evicted entries (position order).
     """
 
     layer_idx: int
@@ -40,6 +41,8 @@ class MergeEvent:
     keys: torch.Tensor
     values: torch.Tensor
     result: D2OMerge
+    evicted_keys: torch.Tensor | None = None
+    evicted_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -337,7 +340,8 @@ class D2O(Method):
                 weighting=self.weighting, decision=self.decision, fixed_threshold=self.fixed_threshold,
             )  # fmt: skip
             if watcher is not None and kinds is not None:
-                watcher(MergeEvent(layer_idx, r, kinds, layer.keys[r], layer.values[r], out))
+                watcher(MergeEvent(layer_idx, r, kinds, layer.keys[r], layer.values[r], out,
+                                   evicted_keys=ev_keys, evicted_values=ev_values))  # fmt: skip
             taus[r] = out.tau
             merged[r] = out.keys, out.values
         if not merged:

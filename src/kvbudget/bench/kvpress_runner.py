@@ -25,13 +25,20 @@ alternate with it run by run (``bench peer``'s interleaved mode) without reloadi
 kvbudget's own runner (:mod:`kvbudget.bench.ours_runner`) serves through the same :func:`serve`.
 Every timed row also carries ``minor_faults``, the page faults the process took during the run.
 
+Eval jobs (:mod:`kvbudget.eval.peer_rows`, leaderboard rows marked as kvpress's) give
+``"compression_ratio"`` instead of ``"budget"``: the press gets that ratio unchanged, so it keeps
+kvpress's own ``max(1, int(n · (1 − ratio)))`` of the ``n`` compressed tokens (the context, or the
+context and question when question-aware); the row records the ratio and ``compressed_tokens``
+(``n``). With ``--keep-going`` a run that raises answers a row with ``"error"`` (its one-line
+message) instead of ending the process. Scoring stays on kvbudget's side.
+
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
 against the full cache's, or from AdaKV's masked indices) — the oracle test compares them with
 kvbudget's selection.
 
 Usage: python -P kvpress_runner.py --model DIR --samples S.jsonl --jobs J.json
-       (--out O.jsonl [--indices] | --serve) [--warmup]
+       (--out O.jsonl [--indices] | --serve) [--warmup] [--keep-going]
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ import torch
 
 def make_press(job: dict, k_len: int):
     """The kvpress press of ``job`` with a compression ratio that keeps ``budget`` entries per head
-    (None when the job has no press: the full-cache reference).
+    (None when the job has no press: the full-cache reference); a job with ``compression_ratio``
+    passes that ratio to the press as it is.
 
     kvpress keeps ``int(k_len · (1 − ratio))`` (PyramidKV's fallback rounds it); a ratio of
     ``1 − (budget + 0.25) / k_len`` makes both equal ``budget`` exactly.
@@ -57,8 +65,11 @@ def make_press(job: dict, k_len: int):
 
     if job.get("press") is None:
         return None
-    budget = job["budget"]
-    ratio = 0.0 if budget >= k_len else 1.0 - (budget + 0.25) / k_len
+    if job.get("compression_ratio") is not None:
+        ratio = float(job["compression_ratio"])
+    else:
+        budget = job["budget"]
+        ratio = 0.0 if budget >= k_len else 1.0 - (budget + 0.25) / k_len
     cls = getattr(kvpress, job["press"])
     if "inner" in job:  # a wrapper press (AdaKVPress) around a scorer press
         inner_cls = getattr(kvpress, job["inner"]["press"])
@@ -141,7 +152,8 @@ def run_one(model, sample: dict, job: dict) -> dict:
     for layer in model.model.layers:  # AdaKV leaves its masks on the modules
         layer.self_attn.masked_key_indices = None
     return {
-        "sample": sample["id"], "method": job["method"], "budget": job["budget"], "token_ids": generated,
+        "sample": sample["id"], "method": job["method"], "budget": job.get("budget"), "token_ids": generated,
+        "compression_ratio": job.get("compression_ratio"), "compressed_tokens": ctx.shape[1],
         "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
         "context_s": context_s, "compress_s": compress_s[0], "step_s": step_s, "kept_entries": kept,
         "allocated_entries": allocated,
@@ -180,6 +192,25 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
         layers.append(heads)
         attn.self_attn.masked_key_indices = None
     return {"sample": sample["id"], "method": job["method"], "budget": job["budget"], "indices": layers}
+
+
+def keep_going(run: Callable[[dict, dict], dict], model) -> Callable[[dict, dict], dict]:
+    """``run`` answering a run that raises with an error row (sample, method, budget, ratio and the
+    one-line ``error``) instead of raising; the masks AdaKV may have left on the modules are
+    cleared."""
+
+    def guarded(sample: dict, job: dict) -> dict:
+        try:
+            return run(sample, job)
+        except Exception as err:  # reported to the caller as a row
+            for layer in model.model.layers:
+                layer.self_attn.masked_key_indices = None
+            lines = str(err).strip().splitlines()
+            error = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+            return {"sample": sample["id"], "method": job["method"], "budget": job.get("budget"),
+                    "compression_ratio": job.get("compression_ratio"), "error": error}  # fmt: skip
+
+    return guarded
 
 
 def minor_faults() -> int | None:
@@ -225,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--indices", action="store_true")
     parser.add_argument("--warmup", action="store_true", help="run the first job once untimed first")
+    parser.add_argument("--keep-going", action="store_true", help="a run that raises answers an error row")
     args = parser.parse_args(argv)
     if not args.serve and not args.out:
         parser.error("--out is required unless --serve")
@@ -251,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(sample: dict, job: dict) -> dict:
         return run_one(model, sample, job)
+
+    if args.keep_going:
+        run = keep_going(run, model)
 
     if args.warmup and samples and jobs and not args.indices:
         run({**samples[0], "max_new_tokens": 2}, jobs[0])

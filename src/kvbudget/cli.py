@@ -213,11 +213,29 @@ def evaluate(
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Cap on every task's answer length.")] = None,
     report: Annotated[bool, typer.Option(help="Write the report when done.")] = True,
+    peer_presses: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Also run these kvpress presses on the same samples at the same compression ratios, as "
+            "rows labelled kvpress:NAME (needs `make peer`): snapkv, streaming_llm, knorm, tova, keydiff, "
+            "expected_attention, observed_attention, adakv_snapkv, pyramidkv, no_press, or all."
+        ),
+    ] = None,
+    peer_python: Annotated[
+        Path, typer.Option(help="Python of the kvpress environment (`make peer`), for --peer-presses.")
+    ] = Path(".venv-peer/bin/python"),
 ) -> None:
     """Run an evaluation grid into OUT/results.jsonl (resumes; errors become rows), then report."""
     from kvbudget.eval.runner import EvalConfig, run_eval
     from kvbudget.eval.suites import suite as named_suite
 
+    presses: list[str] = []
+    if peer_presses:  # checked before any model loads
+        from kvbudget.eval.peer_rows import peer_python as check_peer_python
+        from kvbudget.eval.peer_rows import press_names
+
+        presses = press_names(_split(peer_presses))
+        check_peer_python(peer_python)
     config = named_suite(suite, model) if suite else EvalConfig()
 
     def ints(values: list[str] | None, what: str) -> list[int] | None:
@@ -239,8 +257,15 @@ def evaluate(
             setattr(config, key, value)
     config.compress_context_only = compress_context_only or config.compress_context_only
     config.shared = shared
+    if not config.compression_ratios and any(p != "no_press" for p in presses):
+        raise KVBudgetError("--peer-presses run at compression ratios: give --compression-ratios")
     results = run_eval(config, out)
     console.print(f"results: [bold]{results}[/bold]")
+    if presses:
+        from kvbudget.eval.peer_rows import run_peer_rows
+
+        added = run_peer_rows(config, out, presses, peer_python)
+        console.print(f"kvpress rows added: {added}")
     if report:
         from kvbudget.eval.report import write_report
 

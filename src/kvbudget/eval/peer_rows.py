@@ -1,0 +1,306 @@
+"""kvpress's presses as extra rows of a ``kvbudget eval`` results directory (issue #20, item 4).
+
+``kvbudget eval ... --peer-presses snapkv,streaming_llm,...`` runs, after kvbudget's own grid,
+NVIDIA kvpress's presses on the same samples at the same compression ratios and appends their rows
+to the same ``results.jsonl``, labelled ``kvpress:NAME`` (method and label), so the report ranks
+them beside kvbudget's methods and says where each side's best stands (:mod:`kvbudget.eval.report`).
+
+What is shared with :class:`kvbudget.eval.runner.Runner` (built from the same :class:`EvalConfig`):
+the samples (its task generators, seed, ``limit``, ``max_new_tokens`` cap; the prompt ids come from
+:func:`kvbudget.engine.build_prompt` with the tokenizer's chat template, split into context and
+question exactly as the runner's prefill splits them), the end-of-answer ids, the row keys
+(:meth:`Runner.key`: a kvpress row's method is ``kvpress:NAME`` and its options the press's
+settings, so a rerun skips finished rows and a changed setting makes new ones), the row layout, and
+the scoring: the kvpress side only decodes token ids; kvbudget decodes them to text as the runner
+does and scores them with the task's own metric. The mode follows the run's
+``compress_context_only``: question-agnostic (the context compressed, the question appended
+uncompressed, as kvpress's pipeline) or question-aware (context and question compressed together).
+
+The ratio goes to the press unchanged: kvpress keeps ``max(1, int(n · (1 − ratio)))`` entries per
+KV head of the ``n`` compressed tokens (``kvpress.utils.compute_n_kept``), the count
+:func:`kvbudget.eval.runner.ratio_budget` gives kvbudget's methods on the same ``n`` (the whole
+prompt, or the context alone when question-agnostic); a kvpress row's ``budget`` is that count.
+PyramidKV and the AdaKV-wrapped presses keep that many on average over layers or heads.
+
+kvpress runs in its own environment (``make peer`` → ``.venv-peer``; kvpress 0.5.5 needs
+transformers < 5.3) through :mod:`kvbudget.bench.kvpress_runner`, one serving process answering
+one (sample, press, ratio) at a time; a run that raises becomes an error row (as the runner's),
+a runner process that dies is restarted for the next run. Perplexity tasks are left out (kvpress
+compresses a prompt once; it has no chunked-perplexity mode).
+
+A kvpress row has no ``agreement`` / ``kl`` (they need the full cache's log-probabilities in the
+same process) and no per-head ``budgets``; ``full_score`` / ``full_prediction`` are those of the
+run's ``full`` row for the sample when it has one (so retention is measured against kvbudget's
+full cache). Its times are kvpress's process's: ``ttft_s`` to the prompt's last logits,
+``compress_s`` the press's ``compress`` calls, ``tpot_s`` the mean decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbudget.errors import KVBudgetError
+from kvbudget.eval.report import PEER_PREFIX as PREFIX  # every kvpress row's method and label start so
+
+DEFAULT_PEER_PYTHON = Path(".venv-peer/bin/python")
+
+#: kvpress's presses under the names of kvpress's own evaluation registry
+#: (``evaluation/evaluate_registry.py``, ``PRESS_REGISTRY``) and with the settings it runs them at
+#: — class defaults, except ``expected_attention``, which that registry runs as
+#: ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``; ObservedAttention needs eager attention.
+#: ``no_press`` (the full cache in kvpress's environment) is not in ``all``.
+PRESSES: dict[str, dict[str, Any]] = {
+    "snapkv": {"press": "SnapKVPress"},
+    "streaming_llm": {"press": "StreamingLLMPress"},
+    "knorm": {"press": "KnormPress"},
+    "tova": {"press": "TOVAPress"},
+    "keydiff": {"press": "KeyDiffPress"},
+    "expected_attention": {
+        "press": "AdaKVPress", "inner": {"press": "ExpectedAttentionPress", "kwargs": {"epsilon": 0.01}}
+    },
+    "observed_attention": {"press": "ObservedAttentionPress", "attn": "eager"},
+    "adakv_snapkv": {"press": "AdaKVPress", "inner": {"press": "SnapKVPress"}},
+    "pyramidkv": {"press": "PyramidKVPress"},
+    "no_press": {"press": None},
+}  # fmt: skip
+#: other spellings accepted on the command line
+ALIASES = {"streamingllm": "streaming_llm", "adakv": "adakv_snapkv", "ada-snapkv": "adakv_snapkv"}
+
+
+def press_names(names: list[str]) -> list[str]:
+    """Canonical press names for ``names`` (``all`` = every press but ``no_press``; aliases and
+    ``-`` for ``_`` accepted; duplicates dropped); a one-line error for an unknown name."""
+    chosen: list[str] = []
+    for raw in names:
+        name = raw.strip().lower().removeprefix(PREFIX)
+        name = ALIASES.get(name, name.replace("-", "_"))
+        if name == "all":
+            chosen += [n for n in PRESSES if n != "no_press"]
+        elif name in PRESSES:
+            chosen.append(name)
+        else:
+            known = ", ".join([*PRESSES, "all"])
+            raise KVBudgetError(f"unknown kvpress press '{raw}': expected some of {known}")
+    if not chosen:
+        raise KVBudgetError("no kvpress press given: expected some of " + ", ".join([*PRESSES, "all"]))
+    return list(dict.fromkeys(chosen))
+
+
+def peer_python(path: str | os.PathLike[str] = DEFAULT_PEER_PYTHON) -> tuple[Path, str]:
+    """The kvpress environment's Python and its versions (``kvpress 0.5.5 / transformers 5.2.0``),
+    checked without importing torch; a one-line error when it is missing or lacks kvpress."""
+    from kvbudget.bench.peer import peer_python_path
+
+    python = peer_python_path(path)
+    if python is None:
+        raise KVBudgetError(
+            f"no kvpress environment at {path}: run `make peer` first (or give --peer-python)"
+        )
+    code = (
+        "import importlib.metadata as m\n"
+        "print('kvpress', m.version('kvpress'), '/ transformers', m.version('transformers'))"
+    )
+    proc = subprocess.run([str(python), "-P", "-c", code], capture_output=True, text=True, env=_peer_env())
+    if proc.returncode != 0:
+        raise KVBudgetError(f"{python} has no kvpress installed: run `make peer` (it builds .venv-peer)")
+    return python, proc.stdout.strip()
+
+
+def _peer_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the peer environment must not see this checkout's kvbudget
+    return env
+
+
+@dataclass(frozen=True)
+class PressSpec:
+    """A kvpress press as the runner's rows name a method: ``name`` ``kvpress:NAME`` (method and
+    label), ``options`` the press's settings (in the row key, so other settings make other rows)."""
+
+    name: str
+    options: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, press: str) -> PressSpec:
+        settings = PRESSES[press]
+        options = tuple(
+            (key, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+            for key, value in sorted(settings.items())
+            if value is not None
+        )
+        return cls(PREFIX + press, options)
+
+    @property
+    def press(self) -> str:
+        return self.name.removeprefix(PREFIX)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+def eval_tasks_only(runner) -> Iterator[tuple[Any, int, int, Any]]:
+    """The runner's (task, length, index, sample) grid without perplexity tasks."""
+    for task, length, index, sample in runner.samples():
+        if task.family != "perplexity":
+            yield task, length, index, sample
+
+
+def export_sample(runner, task, length: int, index: int, sample) -> dict[str, Any]:
+    """The kvpress runner's sample: the prompt ids the runner prefills, split where its question-
+    agnostic prefill splits them (context / question), with the answer length and end-of-answer ids."""
+    from kvbudget.engine import build_prompt
+
+    prompt = build_prompt(runner.tokenizer, sample.context, sample.question, sample.answer_prefix)
+    return {
+        "id": f"{task.name}/{length}/{index}", "task": task.name, "length": length,
+        "context_ids": prompt.context_ids, "question_ids": prompt.question_ids,
+        "max_new_tokens": sample.max_new_tokens, "eos_ids": sorted(runner.eos),
+    }  # fmt: skip
+
+
+def make_jobs(presses: list[str], ratios: list[float], question_aware: bool) -> list[dict[str, Any]]:
+    """One job per (press, ratio) — ``no_press`` once, without a ratio."""
+    jobs = []
+    for press in presses:
+        for ratio in [None] if PRESSES[press]["press"] is None else ratios:
+            jobs.append({**PRESSES[press], "method": PREFIX + press, "budget": None,
+                         "compression_ratio": ratio, "question_aware": question_aware})  # fmt: skip
+    return jobs
+
+
+class _Server:
+    """The kvpress runner serving requests (restarted after a run that kills it)."""
+
+    def __init__(self, python: Path, model_dir: Path, work: Path, dtype: str) -> None:
+        from kvbudget.bench.peer import runner_script
+
+        self.command = [
+            str(python), "-P", str(runner_script()), "--model", str(model_dir),
+            "--samples", str(work / "samples.jsonl"), "--jobs", str(work / "jobs.json"), "--dtype", dtype,
+            "--warmup", "--serve", "--keep-going",
+        ]  # fmt: skip
+        self.log = work / "kvpress.log"
+        self.server = None
+
+    def run(self, sample: int, job: int) -> dict[str, Any]:
+        from kvbudget.bench.peer import RunnerServer
+
+        if self.server is None:  # a runner that cannot start is the user's error: raised
+            self.server = RunnerServer("kvpress", self.command, self.log, _peer_env())
+        try:
+            return self.server.run(sample, job)
+        except KVBudgetError as err:  # the process died mid-run: this run is an error row
+            self.server = None
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            return {"error": "the kvpress runner stopped: " + (lines[-1].strip() if lines else "")}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def run_peer_rows(
+    config,
+    out: Path,
+    presses: list[str],
+    python: str | os.PathLike[str] = DEFAULT_PEER_PYTHON,
+    progress: bool = True,
+    model=None,
+    tokenizer=None,
+) -> int:
+    """Append the kvpress rows of ``config``'s grid (``presses`` × its compression ratios) missing
+    from ``out/results.jsonl``; returns how many rows were written. The peer environment is checked
+    first (one-line error), before any model loads."""
+    from tqdm.auto import tqdm
+
+    from kvbudget.eval.runner import MethodSpec, Runner, ratio_budget
+    from kvbudget.models import _resolve_source
+
+    names = press_names(presses)
+    python_path, versions = peer_python(python)
+    if not config.compression_ratios and any(PRESSES[n]["press"] is not None for n in names):
+        raise KVBudgetError("kvpress rows run at compression ratios: give --compression-ratios")
+    runner = Runner(config, Path(out), model=model, tokenizer=tokenizer, progress=False)
+    config = runner.config  # normalised (dtype, ratios) as the runner keys its rows
+    lm_config = runner.model.config
+    layers, heads = lm_config.num_hidden_layers, lm_config.num_key_value_heads
+    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
+    entry_bytes = 2 * head_dim * runner.model.dtype.itemsize  # one key and one value
+    model_dir = _resolve_source(config.model)
+    jobs = make_jobs(names, config.compression_ratios, question_aware=not config.compress_context_only)
+    specs = [PressSpec.of(job["method"].removeprefix(PREFIX)) for job in jobs]
+    full = MethodSpec.parse("full")
+
+    done = runner.store.keys
+    by_key = {row["key"]: row for row in runner.store.rows}
+    samples: list[dict[str, Any]] = []
+    pending: list[tuple[int, int, tuple]] = []  # (sample index in the export, job index, grid entry)
+    for entry in eval_tasks_only(runner):
+        task, _, _, sample = entry
+        todo = [j for j, (spec, job) in enumerate(zip(specs, jobs, strict=True))
+                if runner.key(task, sample, spec, None, job["compression_ratio"]) not in done]  # fmt: skip
+        if todo:
+            samples.append(export_sample(runner, *entry))
+            pending += [(len(samples) - 1, j, entry) for j in todo]
+    if not pending:
+        return 0
+    runner.model = None  # kvpress's process loads its own copy
+    work = Path(out) / "kvpress"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (work / "jobs.json").write_text(json.dumps(jobs, indent=1))
+
+    server = _Server(python_path, model_dir, work, config.dtype)
+    bar = tqdm(total=len(pending), disable=not progress, desc="kvpress", unit="run", dynamic_ncols=True)
+    try:
+        for s, j, (task, length, index, sample) in pending:
+            spec, ratio = specs[j], jobs[j]["compression_ratio"]
+            bar.set_description(f"kvpress {task.name} {length} #{index}")
+            result = server.run(s, j)
+            n = result.get("compressed_tokens")
+            entries = None if ratio is None or n is None else ratio_budget(ratio, n)
+            row = runner._base_row(task, length, index, sample, (spec, None, ratio), entries)
+            row.update(
+                shared_prefill=False, peer={"library": "kvpress", "versions": versions, **PRESSES[spec.press]}
+            )
+            if result.get("error") is not None:
+                row.update(prediction=None, score=None, error=result["error"])
+            else:
+                ids, eos = result["token_ids"], runner.eos
+                text = runner.tokenizer.decode(
+                    ids[:-1] if ids and ids[-1] in eos else ids, skip_special_tokens=True
+                )
+                reference = by_key.get(runner.key(task, sample, full, None, None), {})
+                exported = samples[s]
+                question = 0 if jobs[j]["question_aware"] else len(exported["question_ids"])
+                appended = layers * heads * question  # the question's entries, appended after compression
+                steps = result["step_s"]
+                row.update(
+                    prediction=text, score=task.metric(text, sample.answers),
+                    full_prediction=reference.get("prediction"), full_score=reference.get("score"),
+                    agreement=None, kl=None,
+                    prompt_tokens=len(exported["context_ids"]) + len(exported["question_ids"]),
+                    compressed_tokens=n, ttft_s=result["prefill_s"],
+                    prefill_s=result["prefill_s"] - result["compress_s"], compress_s=result["compress_s"],
+                    lookahead_s=0.0, reselect_s=0.0, tpot_s=sum(steps) / len(steps) if steps else None,
+                    draft_accepted=0, seconds=result["wall_s"], kept_entries=result["kept_entries"],
+                    logical_bytes=(result["kept_entries"] + appended) * entry_bytes,
+                    physical_bytes=(result["allocated_entries"] + appended) * entry_bytes,
+                    budgets=None, selection_layer=None, error=None,
+                )  # fmt: skip
+            row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            runner.store.append(row)
+            bar.update(1)
+    finally:
+        bar.close()
+        server.close()
+    return len(pending)

@@ -19,6 +19,13 @@ bootstrap interval (samples resampled within each task, tasks fixed) — a table
 score-vs-compression plot with one line per method. Only methods with scores on every task of a
 column are ranked and averaged there; the full cache is the reference line, not ranked.
 
+Rows labelled ``kvpress:NAME`` are NVIDIA kvpress's presses run on the same samples and ratios
+(``kvbudget eval --peer-presses``, :mod:`kvbudget.eval.peer_rows`): they are ranked and averaged
+beside kvbudget's methods, and the across-tasks section adds, per column where they ran, kvbudget's
+best method against kvpress's best press — each the highest mean score over the column's tasks
+among its side's methods scored on every task there — with both intervals and whether they overlap
+(overlapping intervals: no difference shown at this sample size).
+
 PNGs: score vs budget (and vs ratio) per task with the intervals as error bars, needle heatmaps
 (length × depth) per method and budget, per-layer/per-head budget maps; for prune-stage methods,
 the distribution of the selection layer per task (table and histogram).
@@ -44,9 +51,16 @@ from kvbudget.eval.intervals import (
 from kvbudget.eval.store import load_rows
 
 SOLVED = 0.5
+#: the label prefix of kvpress's rows (:mod:`kvbudget.eval.peer_rows`)
+PEER_PREFIX = "kvpress:"
 
 #: A table column: ``("B", entries per KV head)`` or ``("r", compression ratio)``.
 Column = tuple[str, float]
+
+
+def is_peer(label: str) -> bool:
+    """Whether ``label`` is a kvpress press's (``kvpress:NAME``) rather than a kvbudget method's."""
+    return label.startswith(PEER_PREFIX)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -281,6 +295,77 @@ def across_tasks_tables(summary: AcrossTasks) -> list[str]:
     return lines
 
 
+@dataclass
+class BestVersusBest:
+    """One column's best of each side: ``ours`` / ``theirs`` the labels sharing the highest mean
+    score over the column's tasks among kvbudget's methods / kvpress's presses (full-cache labels
+    left out), with that score's interval; empty where a side has no label scored there."""
+
+    column: Column
+    ours: list[str]
+    ours_score: Interval | None
+    theirs: list[str]
+    theirs_score: Interval | None
+
+    @property
+    def overlap(self) -> bool | None:
+        """Whether the two intervals share a point (``None`` without both)."""
+        a, b = self.ours_score, self.theirs_score
+        if a is None or b is None:
+            return None
+        return a.low <= b.high and b.low <= a.high
+
+    @property
+    def verdict(self) -> str:
+        if self.overlap is None:
+            return "–"
+        if self.overlap:
+            return "intervals overlap: no clear difference"
+        assert self.ours_score is not None and self.theirs_score is not None
+        ahead = "kvbudget" if self.ours_score.mean > self.theirs_score.mean else "kvpress"
+        return f"intervals disjoint: {ahead} ahead"
+
+
+def best_versus_best(summary: AcrossTasks) -> list[BestVersusBest]:
+    """Per column where a kvpress press was scored on every task: kvbudget's best method against
+    kvpress's best press by mean score over the tasks (ties: every label sharing the best mean)."""
+    result = []
+    for column in summary.columns:
+        cell = {lab: iv for lab, iv in summary.scores[column].items() if lab not in summary.reference}
+        sides = []
+        for peer in (False, True):
+            mine = {lab: iv for lab, iv in cell.items() if is_peer(lab) == peer}
+            top = max((iv.mean for iv in mine.values()), default=0.0)
+            best = sorted(lab for lab, iv in mine.items() if round(iv.mean - top, 12) == 0)
+            sides.append((best, mine[best[0]] if best else None))
+        (ours, ours_score), (theirs, theirs_score) = sides
+        if theirs:
+            result.append(BestVersusBest(column, ours, ours_score, theirs, theirs_score))
+    return result
+
+
+def best_versus_best_lines(summary: AcrossTasks) -> list[str]:
+    """Markdown lines: the :func:`best_versus_best` table, or nothing without kvpress rows."""
+    pairs = best_versus_best(summary)
+    if not pairs:
+        return []
+    lines = [
+        "### kvbudget's best method vs kvpress's best press",
+        "",
+        "Per column, the highest mean score over the column's tasks on each side (methods scored on every "
+        "task there; ties list every label), with its 95% interval.",
+        "",
+        "| column | kvbudget's best | score | kvpress's best | score | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for pair in pairs:
+        lines.append(
+            f"| {_column_label(pair.column)} | {', '.join(pair.ours) or '–'} | {_cell(pair.ours_score)} "
+            f"| {', '.join(pair.theirs)} | {_cell(pair.theirs_score)} | {pair.verdict} |"
+        )
+    return lines
+
+
 # ---------------------------------------------------------------------------------------- plots
 
 
@@ -310,6 +395,7 @@ def _draw_score_lines(
         xs = [x for x, _ in points]
         ys = [100 * iv.mean for _, iv in points]
         color, style = colors[i % len(colors)], "-" if i < len(colors) else ":"
+        style = "-." if is_peer(label) and style == "-" else style  # kvpress's presses
         if bands:
             lows, highs = [100 * iv.low for _, iv in points], [100 * iv.high for _, iv in points]
             ax.fill_between(xs, lows, highs, color=color, alpha=0.12, linewidth=0)
@@ -533,9 +619,21 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
         "three pool a method's columns (each sample averaged over them first).",
         "",
     ]
+    peers = [r for r in rows if is_peer(r["label"])]
+    if peers:
+        versions = sorted({(r.get("peer") or {}).get("versions") or "kvpress" for r in peers})
+        lines += [
+            f"Rows labelled `{PEER_PREFIX}NAME` are NVIDIA kvpress's presses ({'; '.join(versions)}, in "
+            "their own process) on the same samples, ratios and question mode, scored by the same task "
+            "metrics; their agreement and KL are not measured (–), their times are kvpress's process's.",
+            "",
+        ]
     summary = across_tasks(ok, resamples)
     if summary.columns:
         lines += ["## Across tasks", "", *across_tasks_tables(summary), ""]
+        versus = best_versus_best_lines(summary)
+        if versus:
+            lines += [*versus, ""]
         for kind, name in (("B", "budget"), ("r", "ratio")):
             png = out / f"score_vs_{name}_mean.png"
             if plot_across_tasks(summary, kind, png):

@@ -1,0 +1,314 @@
+"""kvpress's presses as leaderboard rows (``kvbudget eval --peer-presses``, issue #20 item 4).
+
+The report's best-vs-best table is checked on hand-made rows (no model); the sample export against
+the prompt ids kvbudget's runner really prefills (tiny random model and character tokenizer). The
+end-to-end tests run kvpress in its own environment (``make peer`` → ``.venv-peer``) on a tiny
+random Llama saved to a temporary directory, and are skipped only when that environment is absent,
+as in ``test_kvpress_oracle.py``.
+
+Bootstrap bounds in the hand-made rows: all-equal scores give a zero-width interval; a task's
+{1, 1, 0, 0} resamples to k/4 with k ~ Binomial(4, 1/2), whose 2.5 % / 97.5 % quantiles are 0 and 4
+(P(k = 0) = P(k = 4) = 1/16 > 2.5 %); {1, 0, 0, 0} to k ~ Binomial(4, 1/4): quantiles 0 and 3
+(P(k = 0) = 0.32, P(k ≥ 3) = 0.051 > 2.5 % > P(k = 4) = 0.004). The mean over two tasks is the
+mean of the two tasks' means (tasks fixed, samples resampled within each).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tiny_model, tiny_tokenizer
+from kvbudget.bench.peer import peer_python_path
+from kvbudget.cli import app
+from kvbudget.errors import KVBudgetError
+from kvbudget.eval.report import across_tasks, best_versus_best, best_versus_best_lines, write_report
+from kvbudget.eval.store import load_rows
+
+PEER = peer_python_path(Path(__file__).resolve().parents[1] / ".venv-peer" / "bin" / "python")
+needs_peer = pytest.mark.skipif(PEER is None, reason="no kvpress environment (.venv-peer): run `make peer`")
+VERSIONS = "kvpress 0.5.5 / transformers 5.2.0"
+#: kvbudget's snapkv with kvpress's SnapKVPress settings (the oracle test: the same kept entries)
+SNAP_AS_KVPRESS = "snapkv:window=64,kernel=5,pooling=avg,reduce_rows=mean"
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _row(task: str, label: str, sample: int, score: float, ratio: float | None = None, budget=None) -> dict:
+    row = {
+        "key": f"{task}-{label}-{sample}-{ratio}-{budget}", "model": "tiny", "dtype": "float32",
+        "task": task, "family": "ruler", "metric": "string_match_all", "length": 1024, "sample": sample,
+        "method": label, "label": label, "options": {}, "budget": budget, "compression_ratio": ratio,
+        "meta": {}, "score": score, "full_score": 1.0, "agreement": None, "kl": None,
+        "selection_layer": None, "error": None, "ttft_s": 0.5, "compress_s": 0.01, "tpot_s": 0.02,
+        "logical_bytes": 2**20, "physical_bytes": 2**20,
+    }  # fmt: skip
+    if ratio is not None:
+        row["budget"] = 100
+    if label.startswith("kvpress:"):
+        row["peer"] = {"library": "kvpress", "versions": VERSIONS}
+    return row
+
+
+def _grid() -> list[dict]:
+    scores = {  # (task, label, ratio or ("B", budget)) → per-sample scores
+        ("t1", "full", None): [1, 1, 1, 1],
+        ("t2", "full", None): [1, 1, 1, 1],
+        # r=0.5: A (1 + 0.5) / 2 = 0.75 [0.5, 1]; kvpress:x (1 + 0.25) / 2 = 0.625 [0.5, 0.875]: overlap
+        ("t1", "A", 0.5): [1, 1, 1, 1],
+        ("t2", "A", 0.5): [1, 1, 0, 0],
+        ("t1", "B", 0.5): [0, 0, 0, 0],
+        ("t2", "B", 0.5): [1, 1, 1, 1],
+        ("t1", "kvpress:x", 0.5): [1, 1, 1, 1],
+        ("t2", "kvpress:x", 0.5): [1, 0, 0, 0],
+        ("t1", "kvpress:y", 0.5): [0, 0, 0, 0],
+        ("t2", "kvpress:y", 0.5): [0, 0, 0, 0],
+        ("t1", "kvpress:z", 0.5): [1, 1, 1, 1],  # never ran on t2: not ranked, so never the best
+        # r=0.75: A 1.0 [1, 1] vs kvpress:x (0 + 0.5) / 2 = 0.25 [0, 0.5]: disjoint, kvbudget ahead
+        ("t1", "A", 0.75): [1, 1, 1, 1],
+        ("t2", "A", 0.75): [1, 1, 1, 1],
+        ("t1", "B", 0.75): [0, 0, 0, 0],
+        ("t2", "B", 0.75): [0, 0, 0, 0],
+        ("t1", "kvpress:x", 0.75): [0, 0, 0, 0],
+        ("t2", "kvpress:x", 0.75): [1, 1, 0, 0],
+        ("t1", "kvpress:y", 0.75): [0, 0, 0, 0],
+        ("t2", "kvpress:y", 0.75): [0, 0, 0, 0],
+        # r=0.875: A and B tie at 0, kvpress:x and kvpress:y tie at 1: disjoint, kvpress ahead
+        ("t1", "A", 0.875): [0, 0, 0, 0],
+        ("t2", "A", 0.875): [0, 0, 0, 0],
+        ("t1", "B", 0.875): [0, 0, 0, 0],
+        ("t2", "B", 0.875): [0, 0, 0, 0],
+        ("t1", "kvpress:x", 0.875): [1, 1, 1, 1],
+        ("t2", "kvpress:x", 0.875): [1, 1, 1, 1],
+        ("t1", "kvpress:y", 0.875): [1, 1, 1, 1],
+        ("t2", "kvpress:y", 0.875): [1, 1, 1, 1],
+        # B=64: kvbudget's methods only: no kvpress line there
+        ("t1", "A", ("B", 64)): [1, 1, 1, 1],
+        ("t2", "A", ("B", 64)): [1, 1, 1, 1],
+    }
+    rows = []
+    for (task, label, column), values in scores.items():
+        budget = column[1] if isinstance(column, tuple) else None
+        ratio = column if isinstance(column, float) else None
+        rows += [_row(task, label, i, float(v), ratio, budget) for i, v in enumerate(values)]
+    return rows
+
+
+def test_best_versus_best_per_ratio_from_hand_made_rows():
+    pairs = {pair.column: pair for pair in best_versus_best(across_tasks(_grid()))}
+    assert set(pairs) == {("r", 0.5), ("r", 0.75), ("r", 0.875)}  # not B=64: no kvpress row there
+    half = pairs[("r", 0.5)]
+    assert (half.ours, half.theirs) == (["A"], ["kvpress:x"])  # kvpress:z (1.0 on t1 alone) left out
+    assert (half.ours_score.mean, half.ours_score.low, half.ours_score.high) == (0.75, 0.5, 1.0)
+    assert (half.theirs_score.mean, half.theirs_score.low, half.theirs_score.high) == (0.625, 0.5, 0.875)
+    assert half.overlap is True
+    three = pairs[("r", 0.75)]
+    assert (three.ours, three.theirs, three.overlap) == (["A"], ["kvpress:x"], False)
+    assert (three.theirs_score.mean, three.theirs_score.low, three.theirs_score.high) == (0.25, 0.0, 0.5)
+    tight = pairs[("r", 0.875)]
+    assert (tight.ours, tight.theirs, tight.overlap) == (["A", "B"], ["kvpress:x", "kvpress:y"], False)
+
+    lines = best_versus_best_lines(across_tasks(_grid()))
+    assert lines[-3:] == [
+        "| r=0.5 | A | 75.0 [50.0, 100.0] | kvpress:x | 62.5 [50.0, 87.5] | intervals overlap: no clear "
+        "difference |",
+        "| r=0.75 | A | 100.0 [100.0, 100.0] | kvpress:x | 25.0 [0.0, 50.0] | intervals disjoint: kvbudget "
+        "ahead |",
+        "| r=0.875 | A, B | 0.0 [0.0, 0.0] | kvpress:x, kvpress:y | 100.0 [100.0, 100.0] | intervals "
+        "disjoint: kvpress ahead |",
+    ]
+    ours_only = [r for r in _grid() if not r["label"].startswith("kvpress:")]
+    assert best_versus_best_lines(across_tasks(ours_only)) == []
+
+
+def test_report_marks_kvpress_rows_and_says_where_the_best_stand(tmp_path):
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _grid()))
+    text = write_report(tmp_path).read_text()
+    assert f"Rows labelled `kvpress:NAME` are NVIDIA kvpress's presses ({VERSIONS}," in text
+    across = text.split("## Across tasks")[1].split("\n## ")[0]
+    assert "### kvbudget's best method vs kvpress's best press" in across
+    assert "| r=0.75 | A | 100.0 [100.0, 100.0] | kvpress:x | 25.0 [0.0, 50.0] |" in across
+    t1 = text.split("\n## t1\n")[1].split("\n## ")[0]  # columns B=64, r=0.5, r=0.75, r=0.875
+    assert "\n| kvpress:x | – | 100.0 [100.0, 100.0] | 0.0 [0.0, 0.0] | 100.0 [100.0, 100.0] | 4 |" in t1
+    assert "\n| kvpress:z | – | 100.0 [100.0, 100.0] | – | – | 4 | 100.0 [100.0, 100.0] | – | – |" in t1
+    ours = [r for r in _grid() if not r["label"].startswith("kvpress:")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    text = write_report(tmp_path).read_text()
+    assert "Rows labelled `kvpress:" not in text and "kvpress's best press" not in text
+
+
+# ---------------------------------------------------------------------------------------- presses, errors
+
+
+def test_press_names_accept_aliases_and_all_and_refuse_unknown_ones():
+    from kvbudget.eval.peer_rows import press_names
+
+    assert press_names(["all"]) == [
+        "snapkv", "streaming_llm", "knorm", "tova", "keydiff", "expected_attention", "observed_attention",
+        "adakv_snapkv", "pyramidkv",
+    ]  # fmt: skip
+    given = ["streamingllm", "adakv", "kvpress:snapkv", "snapkv", "no-press"]
+    assert press_names(given) == ["streaming_llm", "adakv_snapkv", "snapkv", "no_press"]
+    with pytest.raises(KVBudgetError, match="unknown kvpress press 'h2o': expected some of snapkv,"):
+        press_names(["h2o"])
+
+
+def test_a_missing_peer_python_is_a_one_line_error_before_any_model_loads(tmp_path, monkeypatch):
+    import kvbudget
+
+    monkeypatch.setattr(kvbudget, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    result = CliRunner().invoke(app, [
+        "eval", "--out", str(tmp_path / "out"), "--model", "no-such-model", "--compression-ratios", "0.5",
+        "--peer-presses", "snapkv", "--peer-python", str(missing),
+    ])  # fmt: skip
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: no kvpress environment at {missing}: run `make peer` first (or give --peer-python)"
+    ]
+    assert not (tmp_path / "out").exists()
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "out"), "--peer-presses", "nope"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "unknown kvpress press 'nope'" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------- sample export
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_sample_export_is_what_the_runner_prefills(tmp_path, monkeypatch, agnostic):
+    """The exported ids are the ids kvbudget's runner prefills for the same config, split where its
+    compressed part ends: the kvpress runner compresses context + question (aware) or the context
+    alone (agnostic), so both sides' ratios apply to the same token count."""
+    from kvbudget.eval import runner as runner_module
+    from kvbudget.eval.peer_rows import eval_tasks_only, export_sample
+    from kvbudget.eval.runner import EvalConfig, Runner
+    from kvbudget.eval.tasks import get_task
+
+    seen = []
+    real = runner_module.prefill_inputs
+
+    def spy(prompts, pad_id, compress_context_only=False):
+        inputs = real(prompts, pad_id, compress_context_only)
+        seen.append((inputs.ids[0].tolist(), inputs.compressed_until))
+        return inputs
+
+    monkeypatch.setattr(runner_module, "prefill_inputs", spy)
+    config = EvalConfig(
+        model="tiny", tasks=["needle_filler", "kv_retrieval", "perplexity"], lengths=[320, 400],
+        methods=["full"], budgets=[], limit=2, seed=3, compress_context_only=agnostic, max_new_tokens=3,
+    )  # fmt: skip
+    runner = Runner(config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(True), progress=False)
+    exported = [export_sample(runner, *entry) for entry in eval_tasks_only(runner)]
+    runner.run()
+    assert len(seen) == len(exported) == 2 * 2 * 2  # perplexity prefills no prompt and is not exported
+    for sample, (ids, compressed) in zip(exported, seen, strict=True):
+        assert sample["context_ids"] + sample["question_ids"] == ids
+        assert sample["question_ids"], "the chat template's tail is the question part"
+        n = len(sample["context_ids"]) if agnostic else len(ids)
+        assert compressed == n
+        assert sample["max_new_tokens"] == 3 and 1 in sample["eos_ids"]  # [EOS] is id 1
+    first = ["needle_filler/320/0", "needle_filler/320/1", "needle_filler/400/0"]
+    assert [s["id"] for s in exported[:3]] == first
+    own = get_task("needle_filler").make_samples(tiny_tokenizer(True), 320, 2, 3)[0]
+    assert own.max_new_tokens > 3  # so the cap is what the export carries
+
+
+# ---------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed=3).save_pretrained(path)
+    tiny_tokenizer(True).save_pretrained(path)
+    return path
+
+
+def _eval(tiny_dir: Path, out: Path, agnostic: bool, presses: str):
+    args = [
+        "eval", "--model", str(tiny_dir), "--out", str(out), "--tasks", "needle_filler", "--lengths", "200",
+        "--limit", "2", "--methods", f"full,{SNAP_AS_KVPRESS}", "--compression-ratios", "0.5,0.75",
+        "--peer-presses", presses, "--peer-python", str(PEER),
+    ]  # fmt: skip
+    return CliRunner().invoke(app, [*args, "--compress-context-only"] if agnostic else args)
+
+
+@needs_peer
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_kvpress_rows_join_the_results_and_resume(tiny_dir, tmp_path, agnostic):
+    """Question-agnostic runs leave AdaKV out: on this tiny random model (head dim 16) kvpress's
+    attention patch finds no fake key that every question token's query ignores (its
+    ``search_hyperplane`` raises), which would make those rows error rows."""
+    out = tmp_path / "run"
+    pressed = ("snapkv", "knorm") if agnostic else ("snapkv", "knorm", "adakv_snapkv")
+    result = _eval(tiny_dir, out, agnostic, presses=",".join([*pressed, "no_press"]))
+    assert result.exit_code == 0, result.output + str(result.exception)
+    rows = load_rows(out / "results.jsonl")
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
+    peer = [r for r in rows if r["label"].startswith("kvpress:")]
+    assert sorted((r["label"], r["sample"], r["compression_ratio"]) for r in peer) == sorted(
+        [(f"kvpress:{p}", s, ratio) for p in pressed for s in (0, 1) for ratio in (0.5, 0.75)]
+        + [("kvpress:no_press", s, None) for s in (0, 1)]
+    )  # fmt: skip
+    samples = [json.loads(line) for line in (out / "kvpress" / "samples.jsonl").read_text().splitlines()]
+    ours = {(r["sample"], r["compression_ratio"]): r for r in rows if r["label"] == SNAP_AS_KVPRESS}
+    full = {r["sample"]: r for r in rows if r["label"] == "full"}
+    model = tiny_model("llama", seed=3)
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    compared = 0
+    for r in peer:
+        sample = samples[r["sample"]]
+        n = len(sample["context_ids"]) + (0 if agnostic else len(sample["question_ids"]))
+        assert r["mode"] == ("agnostic" if agnostic else "aware") and r["compressed_tokens"] == n
+        assert r["prompt_tokens"] == len(sample["context_ids"]) + len(sample["question_ids"])
+        assert r["full_score"] == full[r["sample"]]["score"]
+        assert r["peer"]["library"] == "kvpress" and r["peer"]["versions"].startswith("kvpress 0.5.5")
+        if r["compression_ratio"] is None:  # no press: the full cache, the same answer as ours
+            assert r["budget"] is None and r["kept_entries"] == layers * heads * n
+            assert r["prediction"] == full[r["sample"]]["prediction"]
+            continue
+        kept = int(n * (1 - r["compression_ratio"]))  # kvpress's count, by hand
+        assert r["budget"] == kept == ours[(r["sample"], r["compression_ratio"])]["budget"]
+        assert r["kept_entries"] == layers * heads * kept  # AdaKV: the same total, spread over heads
+        # the same samples, ratio and mode: SnapKV's answer is ours — where the budget exceeds the
+        # window of 64 (below it, kvpress breaks ties among the window's equal scores its own way)
+        if r["label"] == "kvpress:snapkv" and kept > 64:
+            mine = ours[(r["sample"], r["compression_ratio"])]
+            assert (r["prediction"], r["score"]) == (mine["prediction"], mine["score"])
+            compared += 1
+    assert compared >= 2
+    assert len({r["prediction"] for r in peer if r["compression_ratio"] == 0.75}) > 1  # presses differ
+
+    again = _eval(tiny_dir, out, agnostic, presses=",".join(pressed))
+    assert again.exit_code == 0 and "kvpress rows added: 0" in again.output
+    assert len(load_rows(out / "results.jsonl")) == len(rows)
+    more = _eval(tiny_dir, out, agnostic, presses="snapkv,tova")
+    assert "kvpress rows added: 4" in more.output  # only tova's: 2 samples × 2 ratios
+    text = (out / "report.md").read_text()
+    assert "| kvpress:tova |" in text and "### kvbudget's best method vs kvpress's best press" in text
+    assert "| r=0.5 |" in text.split("kvpress's best press")[1]
+
+
+@needs_peer
+def test_a_press_that_raises_is_an_error_row_and_the_grid_goes_on(tiny_dir, tmp_path, monkeypatch):
+    from kvbudget.eval import peer_rows
+    from kvbudget.eval.runner import EvalConfig
+
+    bad = {"press": "SnapKVPress", "kwargs": {"window_size": 10_000}}  # longer than any prompt here
+    monkeypatch.setitem(peer_rows.PRESSES, "bad", bad)
+    config = EvalConfig(model=str(tiny_dir), tasks=["needle_filler"], lengths=[200], methods=["full"],
+                        budgets=[], compression_ratios=[0.5], limit=2)  # fmt: skip
+    added = peer_rows.run_peer_rows(config, tmp_path, ["bad", "knorm"], PEER, progress=False)
+    assert added == 2 * 2
+    rows = {(r["label"], r["sample"]): r for r in load_rows(tmp_path / "results.jsonl")}
+    for sample in (0, 1):
+        error = rows[("kvpress:bad", sample)]["error"]
+        assert error.startswith("AssertionError: Query length") and "\n" not in error
+        assert rows[("kvpress:bad", sample)]["score"] is None
+        assert rows[("kvpress:knorm", sample)]["error"] is None
+    assert peer_rows.run_peer_rows(config, tmp_path, ["bad", "knorm"], PEER, progress=False) == 0

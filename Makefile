@@ -24,7 +24,11 @@ fetch: install
 test: fetch
 	$(BIN)/python -m pytest -q
 
+# The demo runs on the 0.5B model in bf16, where methods separate (kvbudget.demo.DEMO_MODEL).
+DEMO_MODEL := qwen2.5-coder-0.5b
+
 demo: fetch
+	$(BIN)/kvbudget fetch model $(DEMO_MODEL)
 	$(BIN)/python -m kvbudget.demo
 
 lint: install

@@ -371,10 +371,10 @@ def report_command(
 @app.command()
 @user_errors
 def demo(
-    model: Annotated[str, typer.Option(help="Model to run the demo on.")] = "smollm2-135m",
+    model: Annotated[str, typer.Option(help="Model to run the demo on.")] = "qwen2.5-coder-0.5b",
     length: Annotated[int, typer.Option(help="Needle prompt length in tokens.")] = 2048,
     out: Annotated[Path, typer.Option(help="Directory for the report.")] = Path("demo-out"),
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
 ) -> None:
     """Needle demo: full, snapkv and ada-snapkv at several budgets; writes DIR/demo.md."""
     from kvbudget.demo import run_demo

@@ -51,10 +51,11 @@ def suite(name: str, model: str | None = None) -> EvalConfig:
             model=model or "smollm2-135m", tasks=["needle_filler"], lengths=[512],
             methods=["full", "snapkv", "ada-snapkv"], budgets=[64], limit=2,
         )  # fmt: skip
-    if name == "demo":
+    if name == "demo":  # a few minutes: where methods separate (see kvbudget.demo)
         return EvalConfig(
-            model=model or "smollm2-135m", tasks=["needle", "niah_single_2"], lengths=[1024, 2048],
-            methods=["full", "snapkv", "ada-snapkv", *seeds], budgets=[64, 128], limit=2, max_new_tokens=16,
+            model=model or "qwen2.5-coder-0.5b", tasks=["needle", "niah_multikey_2"], lengths=[2048],
+            methods=["full", "snapkv", "ada-snapkv", *seeds], budgets=[128], compression_ratios=[0.875],
+            limit=3, dtype="bfloat16",
         )  # fmt: skip
     if name == "standard":
         from kvbudget.eval.tasks import task_names

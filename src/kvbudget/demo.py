@@ -104,7 +104,8 @@ def run_demo(
         ]  # fmt: skip
         table.add_row(*row)
         lines.append("| " + " | ".join(row[:6]) + f" | {row[6]} | {row[7]} | `{strip}` |")
-        console.print(f"{method:>10} {str(budget or 'all'):>5}  needle kept, layers 0→29: {strip}")
+        label = f"{method:>10} {str(budget or 'all'):>5}"
+        console.print(f"{label}  needle kept, layers 0→{len(kept) - 1}: {strip}")
     console.print(table)
     lines += [
         "",

@@ -54,7 +54,7 @@ def suite(name: str, model: str | None = None) -> EvalConfig:
     if name == "demo":  # a few minutes: where methods separate (see kvbudget.demo)
         return EvalConfig(
             model=model or "qwen2.5-coder-0.5b", tasks=["needle", "niah_multikey_2"], lengths=[2048],
-            methods=["full", "snapkv", "ada-snapkv", *seeds], budgets=[128], compression_ratios=[0.875],
+            methods=["full", "snapkv", "ada-snapkv", *seeds], budgets=[128], compression_ratios=[0.875, 0.75],
             limit=3, dtype="bfloat16",
         )  # fmt: skip
     if name == "standard":

@@ -273,3 +273,18 @@ def test_demo_runs_in_the_dtype_asked(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["demo", "--dtype", "float8", "--out", str(tmp_path)])
     assert result.exit_code == 2 and result.stderr.strip().startswith("error: unsupported dtype 'float8'")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_committed_gzip_archive_is_read_and_resumed(tmp_path):
+    import gzip
+
+    from kvbudget.eval.store import ResultStore, load_rows
+
+    rows = [{"key": "a", "score": 1.0}, {"key": "b", "score": 0.0}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "results.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert load_rows(tmp_path / "results.jsonl") == rows
+    store = ResultStore(tmp_path / "results.jsonl")
+    assert store.keys == {"a", "b"}
+    store.append({"key": "c", "score": 0.5})
+    assert [r["key"] for r in load_rows(tmp_path / "results.jsonl")] == ["a", "b", "c"]

@@ -7,7 +7,6 @@ tokenizer; the integration tests use the fetched RULER data and smollm2-135m's t
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections import Counter
@@ -15,6 +14,7 @@ from collections import Counter
 import pytest
 
 from kvbudget import data
+from kvbudget.artifacts import kvbudget_home
 from kvbudget.errors import InputError
 from kvbudget.eval.tasks import ruler_qa
 from kvbudget.eval.tasks.ruler import TASKS
@@ -27,7 +27,6 @@ NAMES = [
     "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
     "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
 ]  # fmt: skip
-MODEL_DIR = os.path.expanduser("~/.cache/kvbudget/models/smollm2-135m/hf")
 
 
 # --- made-up data ---------------------------------------------------------------------------------
@@ -258,7 +257,7 @@ def test_metrics_on_hand_made_predictions():
 def real_tokenizer():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(kvbudget_home() / "models" / "smollm2-135m" / "hf")
     for name in NAMES:  # load the data and warm the caches once
         TASKS[name].make_samples(tok, 1024, 1, 123)
     return tok

@@ -6,6 +6,7 @@ last line: opening the store truncates it, so a rerun appends every missing row 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -19,8 +20,23 @@ def config_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def archive_path(path: Path) -> Path:
+    """``DIR/results.jsonl.gz``: the gzip copy of a results file that a repository commits (the
+    leaderboard's rows are several MB as plain JSONL). :func:`restore_archive` unpacks it."""
+    return path.with_name(path.name + ".gz")
+
+
+def restore_archive(path: Path) -> None:
+    """Unpack ``results.jsonl.gz`` into ``results.jsonl`` when only the archive exists, so reports
+    read it and a rerun resumes from it."""
+    archive = archive_path(path)
+    if not path.exists() and archive.exists():
+        path.write_bytes(gzip.decompress(archive.read_bytes()))
+
+
 class ResultStore:
-    """``DIR/results.jsonl``: read the finished keys, append rows."""
+    """``DIR/results.jsonl``: read the finished keys, append rows (a committed
+    ``results.jsonl.gz`` is unpacked first, :func:`restore_archive`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -29,6 +45,7 @@ class ResultStore:
         self._repair_and_load()
 
     def _repair_and_load(self) -> None:
+        restore_archive(self.path)
         if not self.path.exists():
             return
         data = self.path.read_bytes()
@@ -64,6 +81,7 @@ def _jsonable(value: Any) -> Any:
 def load_rows(path: Path) -> list[dict[str, Any]]:
     """All complete rows of a results file (a partial last line is ignored, not repaired)."""
     rows = []
+    restore_archive(path)
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:

@@ -3,6 +3,7 @@ compression ratios, ``all`` methods, the leaderboard suite, the demo's dtype."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -288,3 +289,26 @@ def test_a_committed_gzip_archive_is_read_and_resumed(tmp_path):
     assert store.keys == {"a", "b"}
     store.append({"key": "c", "score": 0.5})
     assert [r["key"] for r in load_rows(tmp_path / "results.jsonl")] == ["a", "b", "c"]
+
+
+def test_the_sample_guard_wraps_each_sample_and_nothing_else(tmp_path):
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def guard():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    runner = Runner(
+        _config(limit=3), tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(True), progress=False,
+        sample_guard=guard,
+    )  # fmt: skip
+    runner.run()
+    assert events == ["enter", "exit"] * 3  # one turn per sample
+    events.clear()
+    Runner(
+        _config(limit=3), tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(True), progress=False,
+        sample_guard=guard,
+    ).run()  # fmt: skip
+    assert events == []  # a finished sample is skipped without taking a turn

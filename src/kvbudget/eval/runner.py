@@ -25,13 +25,15 @@ added by rerunning the command). A crashing run becomes an error row and the gri
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import math
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,7 +159,10 @@ class Runner:
         model: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         progress: bool = True,
+        sample_guard: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
+        """``sample_guard``, when given, makes a context manager entered around each sample's runs
+        (e.g. a lock that lets other jobs on the machine take turns between samples)."""
         dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")  # one-line error when unknown
         for ratio in config.compression_ratios:
             if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0.0 <= ratio < 1.0):
@@ -172,6 +177,7 @@ class Runner:
         self.config = config
         self.out = Path(out)
         self.progress = progress
+        self.sample_guard = sample_guard or contextlib.nullcontext
         self.tasks = [get_task(name) for name in config.tasks]
         self.specs = [MethodSpec.parse(m) for m in config.methods]
         for budget in config.budgets:
@@ -235,7 +241,8 @@ class Runner:
                 continue
             bar.set_description(f"{task.name} {length} #{index}")
             try:
-                self._run_sample(task, length, index, sample, pending, bar)
+                with self.sample_guard():
+                    self._run_sample(task, length, index, sample, pending, bar)
             except Exception as err:  # the reference run failed: record every pending row as an error
                 for spec, budget, ratio in pending:
                     self._record_error(task, length, index, sample, (spec, budget, ratio), None, err)

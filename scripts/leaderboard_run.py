@@ -1,0 +1,95 @@
+"""Run the leaderboard grid (``LEADERBOARD`` in src/kvbudget/eval/suites.py) task by task, resumable.
+
+    .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
+        [--tasks needle,vt] [--agnostic] [--methods all]
+
+The model loads once for every task. Without budget options the suite's budgets and ratios run.
+``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
+``KVBUDGET_LOCK``, if set, names a file locked (flock) around each sample, so that other torch work
+on the machine (a test run) waits at most one sample instead of a whole task. The runner skips
+finished rows, so the command resumes and a method registered later adds only its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import kvbudget
+from kvbudget.eval.report import write_report
+from kvbudget.eval.runner import Runner
+from kvbudget.eval.suites import suite
+
+
+@contextlib.contextmanager
+def machine_lock(path: str | None) -> Iterator[None]:
+    if not path:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    time.sleep(1.0)  # lets a waiting job take the lock before the next sample
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--compression-ratios", default=None)
+    parser.add_argument("--budgets", default=None)
+    parser.add_argument("--tasks", default=None)
+    parser.add_argument("--methods", default=None)
+    parser.add_argument("--agnostic", action="store_true")
+    args = parser.parse_args()
+
+    config = suite("leaderboard")
+    if args.compression_ratios is not None or args.budgets is not None:
+        ratios = [float(r) for r in (args.compression_ratios or "").split(",") if r]
+        budgets = [int(b) for b in (args.budgets or "").split(",") if b]
+        config = dataclasses.replace(config, compression_ratios=ratios, budgets=budgets)
+    if args.tasks:
+        config = dataclasses.replace(config, tasks=args.tasks.split(","))
+    if args.methods:
+        config = dataclasses.replace(config, methods=args.methods.split(","))
+    config = dataclasses.replace(config, compress_context_only=args.agnostic)
+
+    lock = os.environ.get("KVBUDGET_LOCK")
+    with machine_lock(lock):
+        model, tokenizer = kvbudget.load_model(config.model, dtype=config.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    whole = dataclasses.asdict(
+        Runner(config, args.out, model=model, tokenizer=tokenizer, progress=False).config
+    )
+    path = args.out / "config.json"
+    if path.exists():  # the union of every part run into this folder
+        before = json.loads(path.read_text(encoding="utf-8"))
+        for name in ("tasks", "methods", "budgets", "compression_ratios"):
+            whole[name] = before.get(name, []) + [v for v in whole[name] if v not in before.get(name, [])]
+    path.write_text(json.dumps(whole, indent=2), encoding="utf-8")
+    for task in config.tasks:
+        started = time.time()
+        runner = Runner(
+            dataclasses.replace(config, tasks=[task]), args.out, model=model, tokenizer=tokenizer,
+            sample_guard=lambda: machine_lock(lock),
+        )  # fmt: skip
+        runner.run()
+        print(
+            f"{time.strftime('%H:%M:%S')} {task} done in {(time.time() - started) / 60:.1f} min", flush=True
+        )
+    write_report(args.out)
+
+
+if __name__ == "__main__":
+    main()

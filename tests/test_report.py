@@ -159,3 +159,19 @@ def test_report_without_results_is_a_one_line_error(tmp_path):
 
     with pytest.raises(KVBudgetError, match="no results in"):
         write_report(tmp_path)
+
+
+def test_columns_over_different_tasks_are_also_compared_on_the_shared_ones(tmp_path):
+    rows = _grid() + [  # a third task run only at r=0.5, where A scores 1 and B 0
+        _row("t3", label, i, score, ratio=0.5) for label, score in (("A", 1.0), ("B", 0.0)) for i in range(4)
+    ] + [_row("t3", "full", i, 1.0) for i in range(4)]  # fmt: skip
+    summary = across_tasks(rows)
+    assert summary.tasks[("r", 0.5)] == ["t1", "t2", "t3"] and summary.tasks[("B", 64)] == ["t1", "t2"]
+    assert report_module.common_tasks(summary) == ["t1", "t2"]
+    assert report_module.common_tasks(across_tasks(_grid())) is None  # same tasks everywhere
+    text = write_report(_write(tmp_path, rows), resamples=200).read_text()
+    head, _, shared = text.partition("## Across the 2 tasks every column has (t1, t2)")
+    assert shared, "the shared-task section is missing"
+    # over t1..t3 A's r=0.5 mean is (1 + 0 + 1) / 3; over t1, t2 it is (1 + 0) / 2
+    assert "| A | 50.0 [50.0, 50.0] | 66.7 [66.7, 66.7] |" in head
+    assert "| A | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] |" in shared.split("## t1")[0]

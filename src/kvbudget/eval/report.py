@@ -269,6 +269,16 @@ def across_tasks(rows: list[dict], resamples: int = DEFAULT_RESAMPLES) -> Across
     return result
 
 
+def common_tasks(summary: AcrossTasks) -> list[str] | None:
+    """The tasks every column has, when the columns cover different task sets (else ``None``:
+    the per-column tables already compare like with like)."""
+    sets = [set(summary.tasks[c]) for c in summary.columns]
+    if len(sets) < 2 or all(s == sets[0] for s in sets):
+        return None
+    shared = sorted(set.intersection(*sets))
+    return shared or None
+
+
 def across_tasks_tables(summary: AcrossTasks) -> list[str]:
     """Markdown lines: mean rank over tasks, then mean score over tasks with intervals."""
     columns = summary.columns
@@ -634,6 +644,17 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
         versus = best_versus_best_lines(summary)
         if versus:
             lines += [*versus, ""]
+        shared = common_tasks(summary)
+        if shared is not None:  # columns cover different tasks: compare them on the shared ones
+            summary = across_tasks([r for r in ok if r["task"] in shared], resamples)
+            lines += [
+                f"## Across the {len(shared)} tasks every column has ({', '.join(shared)})",
+                "",
+                *across_tasks_tables(summary),
+                "",
+                *best_versus_best_lines(summary),
+                "",
+            ]
         for kind, name in (("B", "budget"), ("r", "ratio")):
             png = out / f"score_vs_{name}_mean.png"
             if plot_across_tasks(summary, kind, png):

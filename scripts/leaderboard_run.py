@@ -1,7 +1,7 @@
 """Run the leaderboard grid (``LEADERBOARD`` in src/kvbudget/eval/suites.py) task by task, resumable.
 
     .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
-        [--tasks needle,vt] [--agnostic] [--methods all]
+        [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32]
 
 The model loads once for every task. Without budget options the suite's budgets and ratios run.
 ``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--tasks", default=None)
     parser.add_argument("--methods", default=None)
     parser.add_argument("--agnostic", action="store_true")
+    parser.add_argument("--dtype", default=None, help="override the suite's dtype (e.g. float32)")
     args = parser.parse_args()
 
     config = suite("leaderboard")
@@ -64,6 +65,8 @@ def main() -> None:
     if args.methods:
         config = dataclasses.replace(config, methods=args.methods.split(","))
     config = dataclasses.replace(config, compress_context_only=args.agnostic)
+    if args.dtype:
+        config = dataclasses.replace(config, dtype=args.dtype)
 
     lock = os.environ.get("KVBUDGET_LOCK")
     with machine_lock(lock):

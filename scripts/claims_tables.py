@@ -1,0 +1,190 @@
+"""The tables of docs/claims.md, from committed results (no model runs):
+
+    .venv/bin/python scripts/claims_tables.py [--leaderboard results/leaderboard]
+        [--baklava results/claims-baklava] [--asl-ttft results/claims-asl-ttft] [--tasks a,b]
+
+Every difference is paired (the same samples for both methods; kvbudget.eval.paired) with its 95%
+stratified bootstrap interval; ``ahead``/``behind`` only where the interval excludes 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from kvbudget.errors import KVBudgetError
+from kvbudget.eval.paired import PairedDifference, paired_difference, row_column
+from kvbudget.eval.store import load_rows
+
+HARD = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "kv_retrieval")
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def _cell(result: PairedDifference | None) -> str:
+    if result is None:
+        return "–"
+    d = result.difference
+    return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+
+
+def _columns(rows: list[dict]) -> list[tuple[str, float]]:
+    found = {row_column(r) for r in rows} - {None}
+    return sorted(found, key=lambda c: (c[0], c[1]))  # type: ignore[arg-type]
+
+
+def _label(column: tuple[str, float]) -> str:
+    return f"r={column[1]:g}" if column[0] == "r" else f"B={column[1]:g}"
+
+
+def _try(rows, a, b, column, tasks) -> PairedDifference | None:
+    try:
+        return paired_difference(rows, a, b, column, tasks=tasks, resamples=2000)
+    except KVBudgetError:
+        return None
+
+
+def pairs_table(rows: list[dict], pairs: list[tuple[str, str]], tasks: list[str] | None = None) -> list[str]:
+    """One row per pair, one column per compression column: mean(a) vs mean(b), a − b [95% CI]."""
+    columns = _columns([r for r in rows if r["label"] in {x for p in pairs for x in p}])
+    lines = ["| a − b | " + " | ".join(_label(c) for c in columns) + " |", "|---|" + "---|" * len(columns)]
+    for a, b in pairs:
+        cells = []
+        for column in columns:
+            result = _try(rows, a, b, column, tasks)
+            if result is None:
+                cells.append("–")
+                continue
+            cells.append(
+                f"{_pct(result.a.mean)} vs {_pct(result.b.mean)}: {_cell(result)} ({len(result.tasks)} tasks)"
+            )
+        lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def selection_layers(rows: list[dict], methods: list[str]) -> list[str]:
+    """Per task: each method's selection layers (median, range, share with none selected)."""
+    by = defaultdict(list)
+    for r in rows:
+        if r["method"] in methods and r.get("score") is not None and r.get("compression_ratio") is not None:
+            by[(r["task"], r["method"], r["compression_ratio"])].append(r.get("selection_layer"))
+    lines = ["| task | ratio | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for task, ratio in sorted({(t, c) for t, _, c in by}):
+        cells = []
+        for m in methods:
+            layers = by.get((task, m, ratio), [])
+            chosen = [x for x in layers if x is not None]
+            if not layers:
+                cells.append("–")
+                continue
+            none = len(layers) - len(chosen)
+            text = f"{statistics.median(chosen):g} ({min(chosen)}–{max(chosen)})" if chosen else "none"
+            cells.append(text + (f", none in {none}/{len(layers)}" if none and chosen else ""))
+        lines.append(f"| {task} | {ratio:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def laq_overhead(rows: list[dict]) -> list[str]:
+    """LAQ's lookahead time as a share of its time to first token (prefill + compression)."""
+    lines = ["| method | lookahead s | TTFT s | share of TTFT |", "|---|---|---|---|"]
+    for method in ("laq", "laq++", "laq-ada", "laq-lava"):
+        mine = [r for r in rows if r["method"] == method and r.get("ttft_s")]
+        if not mine:
+            continue
+        look = statistics.mean(r["lookahead_s"] for r in mine)
+        ttft = statistics.mean(r["ttft_s"] for r in mine)
+        lines.append(f"| {method} | {look:.2f} | {ttft:.2f} | {100 * look / ttft:.1f}% |")
+    return lines
+
+
+def asl_ttft(path: Path) -> list[str]:
+    """TTFT of each method relative to the full cache's, per length, from `kvbudget bench`."""
+    data = json.loads((path / "bench.json").read_text(encoding="utf-8"))
+    records = data["records"] if isinstance(data, dict) else data
+    ttft: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for rec in records:
+        if rec.get("ttft_s") is not None:
+            ttft[(rec["method"], rec["length"])].append(rec["ttft_s"])
+    lengths = sorted({length for _, length in ttft})
+    methods = list(dict.fromkeys(m for m, _ in ttft))
+    lines = [
+        "| method | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for m in methods:
+        cells = []
+        for n in lengths:
+            full = ttft.get(("full", n))
+            mine = ttft.get((m, n))
+            if not full or not mine:
+                cells.append("–")
+                continue
+            ratio = statistics.median(mine) / statistics.median(full)
+            cells.append(f"{statistics.median(mine):.2f} s ({ratio:.2f}×)")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--leaderboard", type=Path, default=Path("results/leaderboard"))
+    parser.add_argument("--baklava", type=Path, default=Path("results/claims-baklava"))
+    parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
+    args = parser.parse_args()
+    rows = [r for r in load_rows(args.leaderboard / "results.jsonl") if r.get("error") is None]
+    counts = Counter((r["task"], r.get("compression_ratio")) for r in rows if r["method"] == "lava")
+    print("## Tasks per column (lava rows)\n")
+    for (task, ratio), n in sorted(counts.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+        print(f"- r={ratio}: {task} ({n})")
+    extraction = [t for t in {r["task"] for r in rows} if t != "lcc"]
+
+    print("\n## LAVa against its baselines (every task)\n")
+    base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]
+    print("\n".join(pairs_table(rows, [("lava", b) for b in base])))
+    print("\n## LAVa ablations (every task / lcc only / extraction tasks only)\n")
+    ablations = [("lava", b) for b in ("lava-uniform", "lava-nohead", "lava-pyramid")]
+    print("\n".join(pairs_table(rows, ablations)))
+    print("\nlcc (code completion):\n")
+    print("\n".join(pairs_table(rows, ablations, tasks=["lcc"])))
+    print("\nextraction (retrieval) tasks:\n")
+    print("\n".join(pairs_table(rows, ablations, tasks=extraction)))
+
+    print("\n## ASL against layer-wise token selection (every task / hard retrieval tasks)\n")
+    asl_pairs = [
+        (a, b) for a in ("asl", "asl-2pass", "asl-fullkv") for b in ("fastkv", "gemfilter", "pyramidinfer")
+    ]
+    asl_pairs += [("asl", "snapkv")]
+    print("\n".join(pairs_table(rows, asl_pairs)))
+    print("\nhard retrieval tasks (" + ", ".join(HARD) + "):\n")
+    print("\n".join(pairs_table(rows, asl_pairs, tasks=list(HARD))))
+    print("\n### Selection layers (median, range)\n")
+    print("\n".join(selection_layers(rows, ["asl", "asl-2pass", "fastkv", "gemfilter"])))
+    if (args.asl_ttft / "bench.json").exists():
+        print("\n### TTFT relative to the full prefill\n")
+        print("\n".join(asl_ttft(args.asl_ttft)))
+
+    print("\n## BaKlaVa against uniform and layer-only budgets\n")
+    bak = [("baklava", "streamingllm"), ("baklava", "squeezeattention"), ("baklava-snapkv", "snapkv")]
+    print("\n".join(pairs_table(rows, bak)))
+    if (args.baklava / "results.jsonl").exists() or (args.baklava / "results.jsonl.gz").exists():
+        ppl = [r for r in load_rows(args.baklava / "results.jsonl") if r.get("error") is None]
+        print("\nperplexity (lower is better; a − b < 0 favours a):\n")
+        print("\n".join(pairs_table(ppl, [("baklava", "streamingllm"), ("baklava", "squeezeattention"),
+                                         ("baklava", "full")])))  # fmt: skip
+
+    print("\n## Lookahead Q-Cache against SnapKV (gain by ratio)\n")
+    laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
+    print("\n".join(pairs_table(rows, laq)))
+    print("\n### Lookahead share of TTFT\n")
+    print("\n".join(laq_overhead(rows)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Run the leaderboard grid (``LEADERBOARD`` in src/kvbudget/eval/suites.py) task by task, resumable.
 
     .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
-        [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32]
+        [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32] [--peer-presses all]
 
 The model loads once for every task. Without budget options the suite's budgets and ratios run.
 ``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import kvbudget
+from kvbudget.eval.peer_rows import run_peer_rows
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import Runner
 from kvbudget.eval.suites import suite
@@ -53,6 +54,11 @@ def main() -> None:
     parser.add_argument("--methods", default=None)
     parser.add_argument("--agnostic", action="store_true")
     parser.add_argument("--dtype", default=None, help="override the suite's dtype (e.g. float32)")
+    parser.add_argument(
+        "--peer-presses",
+        default=None,
+        help="kvpress presses (`all` or names; needs `make peer`) instead of methods",
+    )
     args = parser.parse_args()
 
     config = suite("leaderboard")
@@ -87,7 +93,13 @@ def main() -> None:
             dataclasses.replace(config, tasks=[task]), args.out, model=model, tokenizer=tokenizer,
             sample_guard=lambda: machine_lock(lock),
         )  # fmt: skip
-        runner.run()
+        if args.peer_presses:  # kvpress's own process runs the task's samples; the lock is held throughout
+            with machine_lock(lock):
+                run_peer_rows(
+                    runner.config, args.out, args.peer_presses.split(","), model=model, tokenizer=tokenizer
+                )
+        else:
+            runner.run()
         print(
             f"{time.strftime('%H:%M:%S')} {task} done in {(time.time() - started) / 60:.1f} min", flush=True
         )

@@ -187,8 +187,9 @@ def test_final_cache_holds_the_budget_and_no_pseudo_token_and_decodes_at_the_tru
     ("name", "base", "extra"),
     [("laq++", "snapkv", {}), ("laq-ada", "ada-snapkv", {}), ("laq-lava", "lava", {})],
 )
-def test_without_lookahead_steps_laq_equals_its_base_method_with_the_same_window(name, base, extra, llama,
-                                                                              chat_tokenizer):
+def test_without_lookahead_steps_laq_equals_its_base_method_with_the_same_window(
+    name, base, extra, llama, chat_tokenizer
+):
     """n = 0 and a lookahead budget covering the prompt: the observation is the last 8 prompt
     queries, so laq++ is SnapKV with window 8 (and laq-ada Ada-SnapKV, laq-lava LAVa)."""
     common = {"window": 8, "kernel": 7}
@@ -228,7 +229,7 @@ def test_lookahead_changes_the_selection(llama, chat_tokenizer):
 
 # ---------------------------------------------------------------------------------- reference
 def lookahead_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, masked: bool = False):
-    """Eq. 4–5 with SnapKV's reduction, written from METHODS.md: per KV head, the scores of the
+    """Eq. 4–5 with SnapKV's reduction, written from the paper (arXiv:2505.20334): per KV head, the scores of the
     first ``N − w2`` keys. Window rows are causal; pseudo rows see all ``N`` prompt keys.
 
     ``masked`` (the authors' bug, only to show the fixture tells it apart): one causal mask over

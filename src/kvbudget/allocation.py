@@ -227,7 +227,7 @@ def attention_variance(column_sums: torch.Tensor, normalise: str = "minmax") -> 
         column_sums: ``[q_heads, n]`` attention each valid prompt key received, summed over all
             prompt queries (``c_h``).
         normalise: ``"minmax"`` — ``F_h = var(c_h)`` (unbiased), min-max normalised across the
-            layer's heads, averaged (the authors' code, METHODS.md); ``"raw"`` — the mean of
+            layer's heads, averaged (the authors' code; docs/methods.md, D2O); ``"raw"`` — the mean of
             ``F_h`` over the heads (Eq. 4 as printed, per head as in A.9).
     Returns:
         ``σ_l`` (float).
@@ -352,9 +352,7 @@ def squeeze_layer_weights(similarity: Sequence[float], p: float) -> list[float]:
     return [p if is_top else other for is_top in top]
 
 
-def baklava_reallocate(
-    importance: torch.Tensor, base: torch.Tensor, t: float, r: float
-) -> torch.Tensor:
+def baklava_reallocate(importance: torch.Tensor, base: torch.Tensor, t: float, r: float) -> torch.Tensor:
     """BaKlaVa's Algorithm 2 over ``m`` KV caches (BaKlaVa calls it on one layer's ``kv_heads``).
 
     Args:

@@ -40,7 +40,7 @@ def window_scores(
     reduce_rows: str = "sum",
     reduce_heads: str = "mean",
 ) -> torch.Tensor:
-    """The common window score WS(w, kernel, pool, reduce) of METHODS.md.
+    """The common window score WS(w, kernel, pool, reduce) (docs/architecture.md, "Window score").
 
     Attention of the last ``window`` queries (softmax over all keys) on the keys before the
     window, reduced over the window rows (``sum``/``mean``), over each GQA group

@@ -1,4 +1,4 @@
-"""Named evaluation suites (EVALUATION.md): smoke (seconds), demo (minutes), standard (hours),
+"""Named evaluation suites (docs/architecture.md, "Evaluation harness"): smoke (seconds), demo (minutes), standard (hours),
 leaderboard (hours; issue #20 — its grid is :data:`LEADERBOARD`, the one place to edit it)."""
 
 from __future__ import annotations

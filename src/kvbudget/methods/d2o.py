@@ -52,7 +52,7 @@ class D2O(Method):
     **Layer budgets** (§4.1, Eq. 4–5, A.2). Each prompt layer's attention column sums ``c_h`` (one
     per query head, computed ``chunk`` queries at a time, never the full ``n × n`` matrix) give
     ``F_h = var(c_h)``; ``σ_l`` is their min-max normalised mean over the layer's heads
-    (``variance="minmax"``, the authors' code as METHODS.md records it; ``"raw"`` uses the mean
+    (``variance="minmax"``, the authors' code, as docs/methods.md (D2O) records it; ``"raw"`` uses the mean
     of ``F_h`` as printed in Eq. 4). ``S_l = softmax_l(−σ_l) · layers · B`` entries per KV head
     (``B`` = the user budget, ``ρ·L`` in ratio form, so ``Σ S_l = layers · B``), clamped to
     ``[max(0.01·L, sinks + 2), L]`` with the excess shared in proportion, integerised to the exact
@@ -88,7 +88,7 @@ class D2O(Method):
     compressed; it is held at the uniform budget ``B`` while decoding (no variance allocation), so
     a budget covering prompt and answer changes nothing.
 
-    Differences from the authors' code (AIoT-MLSys-Lab/d2o, as recorded in METHODS.md): β = 0.7
+    Differences from the authors' code (AIoT-MLSys-Lab/d2o; docs/methods.md, D2O, lists them): β = 0.7
     (the paper's §A.3 choice; the code uses 0.5 for both EMA constants); the ``T`` sinks are kept on
     top of ``N`` heavy hitters (Eq. 7; the code counts them inside the heavy budget); every layer is
     compressed (the code never compresses layers 0, 1 and the last); a merged entry keeps its own

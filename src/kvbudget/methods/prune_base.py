@@ -1,7 +1,7 @@
 """PruneMethod: the base of prune-stage methods (ASL, FastKV, GemFilter, PyramidInfer).
 
 A prune-stage method changes the prefill forward itself: after some layer, deeper layers process
-only selected tokens (DESIGN §5). The engine (:mod:`kvbudget.prune`) runs the decoder layers one
+only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prune`) runs the decoder layers one
 by one; after each layer's attention the compression session calls :meth:`PruneMethod.compress`
 (as for prefill-stage methods), where the method scores the layer, may request a cut with
 :meth:`request_cut`, and may compress the layer's cache (``compress_cache``). After the layer's MLP
@@ -83,16 +83,16 @@ class PruneMethod(Method):
         Returns ``[b, kv_heads]`` entries kept per head.
         """
         if obs.keys.shape[2] != obs.query.shape[2]:
-            raise InputError(
-                f"{self.name} is a prune-stage method: it prefills from an empty cache only"
-            )
+            raise InputError(f"{self.name} is a prune-stage method: it prefills from an empty cache only")
         if not hasattr(self, "selection_layers"):
             raise InputError(f"{self.name} changes the prefill forward: run it through kvbudget's engine")
         if self.scouting or not self.two_pass:  # a second pass only runs the selected tokens
             self.observe_layer(obs, targets)
         lengths = obs.lengths
-        if self.scouting or not self.compress_cache or all(
-            t is None or int(n) <= t for t, n in zip(targets, lengths.tolist(), strict=True)
+        if (
+            self.scouting
+            or not self.compress_cache
+            or all(t is None or int(n) <= t for t, n in zip(targets, lengths.tolist(), strict=True))
         ):
             return obs.layer.head_lengths().cpu()
         return super().compress(obs, targets)

@@ -2,7 +2,7 @@
 
 The needle "The special magic number is NNNNNNN." sits at ``depth`` (0–1) of a haystack cut to
 ``length`` tokens of the model's tokenizer; the question follows the context and the answer
-prefix "The special magic number is" follows the generation prompt (EVALUATION.md).
+prefix "The special magic number is" follows the generation prompt (small models need it).
 """
 
 from __future__ import annotations

@@ -229,8 +229,8 @@ def test_lookahead_changes_the_selection(llama, chat_tokenizer):
 
 # ---------------------------------------------------------------------------------- reference
 def lookahead_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, masked: bool = False):
-    """Eq. 4–5 with SnapKV's reduction, written from the paper (arXiv:2505.20334): per KV head, the scores of the
-    first ``N − w2`` keys. Window rows are causal; pseudo rows see all ``N`` prompt keys.
+    """Eq. 4–5 with SnapKV's reduction, written from the paper (arXiv:2505.20334): per KV head,
+    the scores of the first ``N − w2`` keys. Window rows are causal; pseudo rows see all ``N`` prompt keys.
 
     ``masked`` (the authors' bug, only to show the fixture tells it apart): one causal mask over
     the last ``w2 + m`` keys for the whole ``[window; pseudo]`` block.

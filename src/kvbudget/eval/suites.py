@@ -1,5 +1,6 @@
-"""Named evaluation suites (docs/architecture.md, "Evaluation harness"): smoke (seconds), demo (minutes), standard (hours),
-leaderboard (hours; issue #20 — its grid is :data:`LEADERBOARD`, the one place to edit it)."""
+"""Named evaluation suites (docs/architecture.md, "Evaluation harness"): smoke (seconds), demo
+(minutes), standard (hours), leaderboard (hours; its grid is :data:`LEADERBOARD`, the one place to
+edit it; docs/leaderboard.md)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ class VATP(Method):
 
     The accumulated attention is that of the observation window (the last ``window`` prompt
     queries, summed over rows), averaged over each GQA group — the window form that lets VATP
-    run in the prefill stage like SnapKV (the stages column of README's method table). Attention sinks have tiny
-    value norms, so the paper keeps them: ``sinks`` (default 4) are always kept.
+    run in the prefill stage like SnapKV (the stages column of README's method table). Attention
+    sinks have tiny value norms, so the paper keeps them: ``sinks`` (default 4) are always kept.
 
     Reference: Guo et al., "Attention Score is not All You Need for Token Importance Indicator in
     KV Cache Reduction: Value Also Matters", EMNLP 2024 (arXiv:2406.12335).

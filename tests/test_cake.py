@@ -1,8 +1,8 @@
 """CAKE: preference budgets (property tests), kept sets and decode trimming against a reference.
 
 The reference recomputes CAKE from the paper's formulas (docs/methods.md, CAKE) with float64 numpy
-copies and explicit loops: the window attention by a hand-written softmax over each causal prefix, the preference
-``H^(1/τ1)·V^(1/τ2)`` (entropy and unbiased variance over the window rows), the eviction score
+copies and explicit loops: the window attention by a hand-written softmax over each causal prefix,
+the preference ``H^(1/τ1)·V^(1/τ2)`` (entropy and unbiased variance over the window rows), the eviction score
 ``mean + γ·var`` with average pooling by explicit windows (zero padding, divided by the kernel),
 the GQA mean, the cascading budgets and the decode-time trimming by the current query. Helpers
 shared with ``tests/test_lava.py`` (softmax, water-filling) are that file's reference code. The

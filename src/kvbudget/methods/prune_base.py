@@ -1,10 +1,11 @@
 """PruneMethod: the base of prune-stage methods (ASL, FastKV, GemFilter, PyramidInfer).
 
 A prune-stage method changes the prefill forward itself: after some layer, deeper layers process
-only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prune`)
-runs the decoder layers one by one; after each layer's attention the compression session calls :meth:`PruneMethod.compress`
-(as for prefill-stage methods), where the method scores the layer, may request a cut with
-:meth:`request_cut`, and may compress the layer's cache (``compress_cache``). After the layer's MLP
+only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prune`) runs
+the decoder layers one by one; after each layer's attention the compression session calls
+:meth:`PruneMethod.compress` (as for prefill-stage methods), where the method scores the layer,
+may request a cut with :meth:`request_cut`, and may compress the layer's cache (``compress_cache``).
+After the layer's MLP
 the engine takes the requested cuts (:meth:`take_cuts`) and gathers the hidden states of the kept
 tokens, which keep their true position ids (one-pass methods). Two-pass methods (``two_pass``)
 only scout in the first pass; the engine then runs the whole model again on the selected tokens

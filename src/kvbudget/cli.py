@@ -478,6 +478,56 @@ def bench_peer(
     console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'peer.md'}[/bold]")
 
 
+@bench_app.command("throughput")
+@user_errors
+def bench_throughput(
+    model: Annotated[
+        str, typer.Option(help="Model (registry name or local HF directory).")
+    ] = "qwen2.5-coder-0.5b",
+    methods: Annotated[
+        list[str] | None, typer.Option(help="Methods (comma-separated); `full` is the uncompressed baseline.")
+    ] = None,
+    budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
+    lengths: Annotated[list[str] | None, typer.Option(help="Prompt lengths in tokens.")] = None,
+    new_tokens: Annotated[int, typer.Option(help="Tokens each row decodes (no EOS stop).")] = 128,
+    memory_cap: Annotated[
+        str,
+        typer.Option(
+            help="Memory the batch must fit in, e.g. 2GiB, 512MiB (CUDA: allocator peak minus "
+            "the weights; CPU: the KV cache's peak bytes)."
+        ),
+    ] = "2GiB",
+    cap_on: Annotated[
+        str, typer.Option(help="run: the prefill's and the decoding's peak; decode: the decoding's only.")
+    ] = "run",
+    max_batch: Annotated[int, typer.Option(help="Largest batch tried.")] = 64,
+    check_next: Annotated[
+        bool, typer.Option(help="Also run one row more than the answer (to show it does not fit).")
+    ] = False,
+    repeats: Annotated[int, typer.Option(help="Runs of the chosen batch (times are their median).")] = 1,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu or cuda[:index].")] = "cpu",
+    task: Annotated[str, typer.Option(help="Task whose first sample is the prompt.")] = "needle",
+    threads: Annotated[int | None, typer.Option(help="Torch threads (default: inherited).")] = None,
+    out: Annotated[Path, typer.Option(help="Output directory (throughput.json, .md, .png).")] = Path(
+        "runs/throughput"
+    ),
+) -> None:
+    """Largest batch under a memory cap per method, and its decode tokens per second (D2O §5.5)."""
+    from kvbudget.bench.throughput import ThroughputConfig, parse_size, run_throughput
+
+    config = ThroughputConfig(
+        model=model, new_tokens=new_tokens, memory_cap=parse_size(memory_cap), cap_on=cap_on,
+        max_batch=max_batch, check_next=check_next, repeats=repeats, dtype=dtype, device=device, task=task,
+        threads=threads,
+    )  # fmt: skip
+    config.methods = _split(methods) or config.methods
+    config.budgets = _ints(budgets, "budgets") or config.budgets
+    config.lengths = _ints(lengths, "lengths") or config.lengths
+    path = run_throughput(config, out, progress=console.print)
+    console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'throughput.md'}[/bold]")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

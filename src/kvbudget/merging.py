@@ -99,8 +99,8 @@ def d2o_merge(
     e_count = evicted_keys.shape[1]
     if e_count == 0:
         empty = torch.zeros((heads, 0), dtype=torch.bool, device=kept_keys.device)
-        return D2OMerge(kept_keys, kept_values, tau if tau is not None else torch.zeros(heads),
-                        empty, empty.long(), empty.float())  # fmt: skip
+        tau = tau if tau is not None else torch.zeros(heads, device=kept_keys.device)
+        return D2OMerge(kept_keys, kept_values, tau, empty, empty.long(), empty.float())
     if weighting not in ("paper", "authors"):
         raise UnknownMethodError(f"d2o_merge: weighting must be paper or authors, got {weighting!r}")
     if decision not in ("paper", "authors"):

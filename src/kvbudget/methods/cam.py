@@ -123,10 +123,11 @@ class CaM(Method):
         kept_idx = torch.stack(keep)  # [h, S] slot indices
         if not bool((kept_idx == kept_idx[:1]).all()):
             raise KVBudgetError("cam: heads of one row kept different entries")
-        compact = torch.full((layer.positions.shape[-1],), -1, dtype=torch.long)
-        compact[slots] = torch.arange(slots.numel())
-        kept_c = compact[kept_idx[0]]
-        is_kept = torch.zeros(slots.numel(), dtype=torch.bool)
+        device = slots.device
+        compact = torch.full((layer.positions.shape[-1],), -1, dtype=torch.long, device=device)
+        compact[slots] = torch.arange(slots.numel(), device=device)
+        kept_c = compact[kept_idx[0].to(device)]
+        is_kept = torch.zeros(slots.numel(), dtype=torch.bool, device=device)
         is_kept[kept_c] = True
         evicted_c = (~is_kept).nonzero().flatten()
         values = layer.values[row][:, slots]  # [h, n_valid, d]
@@ -135,7 +136,7 @@ class CaM(Method):
         probability = torch.nan_to_num(attention[:, evicted_c] / peak, nan=0.0, posinf=1.0).clamp(0.0, 1.0)
         first = int(layer.positions[row, 0, slots[0]])
         offsets = [int(layer.positions[row, 0, slots[i]]) - first for i in evicted_c.tolist()]
-        draws = self.draws(layer_idx, offsets, values.shape[0])
+        draws = self.draws(layer_idx, offsets, values.shape[0]).to(values.device)
         span = self.merge_span or self.window_for(limit)
         merged = cam_merge(values, evicted_c, probability, draws, span)
         return merged[:, kept_c]

@@ -262,7 +262,9 @@ class LayerwiseMethod(Method):
         order = self.selection_order()
         if order is not None and not bool(torch.isfinite(scores[valid]).all()):
             order = None  # the generic path's tie order for ±inf / nan is not a rank order
-        ranks = torch.full(scores.shape, NEVER, dtype=torch.int32) if order is not None else None
+        ranks = None
+        if order is not None:
+            ranks = torch.full(scores.shape, NEVER, dtype=torch.int32, device=scores.device)
         thresholds = [0] * len(targets)
         for r, target in enumerate(targets):
             if target is None:

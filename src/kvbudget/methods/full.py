@@ -24,7 +24,7 @@ class FullCache(Method):
         return 1
 
     def score(self, obs: Observation) -> torch.Tensor:
-        return torch.zeros(obs.positions.shape)
+        return torch.zeros(obs.positions.shape, device=obs.positions.device)
 
     def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         """Keeps the layer whole whatever the targets; returns ``[b, kv_heads]`` lengths."""

@@ -396,7 +396,7 @@ class LookaheadMixin:
         b = token.shape[0]
 
         def stacked(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-            return torch.stack(parts, 1) if parts else torch.zeros((b, 0), dtype=dtype)
+            return torch.stack(parts, 1) if parts else torch.zeros((b, 0), dtype=dtype, device=device)
 
         queries = {
             i: torch.cat(q, dim=2) if q else session.recorded_queries[i][:, :, :0]

@@ -55,7 +55,7 @@ class DraftDecoded:
 
 
 def _extend(mask: torch.Tensor, count: int) -> torch.Tensor:
-    return torch.cat([mask, torch.ones((mask.shape[0], count), dtype=mask.dtype)], 1)
+    return torch.cat([mask, torch.ones((mask.shape[0], count), dtype=mask.dtype, device=mask.device)], 1)
 
 
 def _first_divergence(rows: torch.Tensor, draft: list[int]) -> int:
@@ -66,10 +66,11 @@ def _first_divergence(rows: torch.Tensor, draft: list[int]) -> int:
 
 def _feed(model: PreTrainedModel, cache: BudgetCache, tokens: list[int], mask, last_pos, start: int):
     """Forward ``tokens`` placed after ``start`` answer tokens; returns the logits ``[len, vocab]``."""
-    ids = torch.tensor([tokens], dtype=torch.long)
-    positions = last_pos[:, None] + 1 + start + torch.arange(len(tokens))[None]
+    device = model.device
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions = last_pos.to(device)[:, None] + 1 + start + torch.arange(len(tokens), device=device)[None]
     out = model(
-        input_ids=ids, attention_mask=_extend(mask, start + len(tokens)), position_ids=positions,
+        input_ids=ids, attention_mask=_extend(mask.to(device), start + len(tokens)), position_ids=positions,
         past_key_values=cache, use_cache=True,
     )  # fmt: skip
     return out.logits[0]

@@ -33,9 +33,12 @@ def teacher_forced_logprobs(
     if len(tokens) > 1:
         if cache.session is not None:
             cache.session.phase = "decode"
-        feed = torch.tensor([tokens[:-1]])
-        positions = last_pos[:, None] + 1 + torch.arange(feed.shape[1])[None]
-        full_mask = torch.cat([mask, torch.ones((1, feed.shape[1]), dtype=mask.dtype)], 1)
+        device = model.device
+        feed = torch.tensor([tokens[:-1]], device=device)
+        positions = last_pos.to(device)[:, None] + 1 + torch.arange(feed.shape[1], device=device)[None]
+        full_mask = torch.cat(
+            [mask.to(device), torch.ones((1, feed.shape[1]), dtype=mask.dtype, device=device)], 1
+        )
         if step_by_step:
             for i in range(feed.shape[1]):
                 out = model(

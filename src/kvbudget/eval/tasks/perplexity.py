@@ -131,6 +131,7 @@ def _chunked_perplexity(
     first_chunk: int | None,
 ) -> PerplexityResult:
     """:func:`chunked_perplexity` on an attached model and a prepared method."""
+    ids = ids.to(model.device)
     total = ids.shape[1]
     start = max(chunk, min(first_chunk or budget or chunk, total - 1))
     layers = model.config.num_hidden_layers
@@ -158,7 +159,9 @@ def _chunked_perplexity(
             session = CompressionSession(method, layers, budget=budget)
             if "prune" in method.stages:  # the engine's own pruned forward; positions may be re-indexed
                 head = ids[:, :pos]
-                prefix = PrefillInputs(head, torch.ones_like(head), torch.arange(pos)[None], pos)
+                prefix = PrefillInputs(
+                    head, torch.ones_like(head), torch.arange(pos, device=ids.device)[None], pos
+                )
                 cache, last_logits, prefix = prune_prefill(model, prefix, session)
                 prefix_logits, next_pos = last_logits[:, None], int(prefix.positions[0, -1]) + 1
             else:
@@ -169,7 +172,7 @@ def _chunked_perplexity(
                 ).logits
                 next_pos = pos
             session.phase = "off"
-            positions = torch.arange(next_pos, next_pos + stop - pos)[None]
+            positions = torch.arange(next_pos, next_pos + stop - pos, device=ids.device)[None]
             out = model(ids[:, pos:stop], position_ids=positions, past_key_values=cache, use_cache=True)
             out = out.logits[0]
             nll += float(_nll(torch.cat([prefix_logits[0, -1:], out[:-1]]), ids[0, pos:stop]))

@@ -44,6 +44,7 @@ class BenchConfig:
     task: str = "needle"
     seed: int = 0
     batch: int = 1  # rows decoded together (see MeasureSpec.batch)
+    device: str = "cpu"  # cpu, cuda or auto (see MeasureSpec.device)
 
     def validate(self) -> None:
         from kvbudget.eval.runner import MethodSpec
@@ -74,7 +75,7 @@ class BenchConfig:
                         out.append(
                             MeasureSpec(
                                 self.model, method, length, budget, self.new_tokens, self.dtype,
-                                self.task, self.seed, repeat, self.batch,
+                                self.task, self.seed, repeat, self.batch, self.device,
                             )  # fmt: skip
                         )
         return out
@@ -83,7 +84,8 @@ class BenchConfig:
 def run_key(spec: MeasureSpec | dict[str, Any]) -> str:
     d = asdict(spec) if isinstance(spec, MeasureSpec) else spec
     keys = ("model", "method", "length", "budget", "new_tokens", "dtype", "task", "seed", "repeat")
-    return json.dumps([d[k] for k in keys] + [d.get("batch", 1)])  # runs before `batch` existed had 1
+    device = [d["device"]] if d.get("device", "cpu") != "cpu" else []  # CPU rows keep their keys
+    return json.dumps([d[k] for k in keys] + [d.get("batch", 1)] + device)  # runs before `batch` had 1
 
 
 def run_worker(spec: MeasureSpec, threads: int | None = None, timeout: float | None = None) -> dict[str, Any]:

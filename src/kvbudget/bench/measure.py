@@ -44,6 +44,7 @@ class MeasureSpec:
         batch: rows decoded together (the same prompt in every row, so nothing is padded): a
             decode step reads the weights once for all rows and each row's cache, so the larger
             the batch, the more of a step is cache reads. TPOT is per step (every row's token).
+        device: where the model runs (``cpu``, ``cuda``, ``auto``; see :func:`kvbudget.load_model`).
     """
 
     model: str = "smollm2-135m"
@@ -56,6 +57,7 @@ class MeasureSpec:
     seed: int = 0
     repeat: int = 0
     batch: int = 1
+    device: str = "cpu"
 
 
 def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
@@ -84,7 +86,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     from kvbudget.models import load_model
     from kvbudget.session import CompressionSession
 
-    model, tokenizer = load_model(spec.model, dtype=spec.dtype)
+    model, tokenizer = load_model(spec.model, dtype=spec.dtype, device=spec.device)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     prompt = fit_prompt(tokenizer, spec.task, min(spec.length, max_context - spec.new_tokens), spec.seed)
     method = MethodSpec.parse(spec.method).build()

@@ -385,8 +385,11 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda[:i]`` or any torch device; ``auto`` is ``cuda`` when available, else ``cpu``."""
     import torch
 
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -503,6 +506,8 @@ def load_model(
     ``name_or_path`` is a registry name (see :data:`MODELS`; fetch it first), a local Hugging Face
     directory containing ``config.json``, or a ``.gguf`` file (converted once, then cached).
     ``dtype`` is a ``torch.dtype`` or one of ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    ``device``: where the weights go (``cpu``, ``cuda``, ``cuda:1``, or ``auto``: the GPU when there
+    is one); every tensor kvbudget allocates for the model then follows ``model.device``.
 
     Raises :class:`ArtifactError` for a registry model that is not fetched, a missing GGUF file or
     tokenizer, :class:`UnsupportedModelError` for an architecture outside

@@ -334,6 +334,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "laq", "laq++", "laq-ada", "laq-lava",
         # prune-stage methods: references in tests/test_prune.py (ASL's scoring is shared by its variants)
         "asl", "asl-fullkv", "asl-2pass", "fastkv", "gemfilter", "pyramidinfer",
+        # references in tests/test_new_scorers.py
+        "keydiff",
     }  # fmt: skip
     assert set(method_names()) == covered
 

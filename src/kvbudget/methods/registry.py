@@ -18,6 +18,7 @@ from kvbudget.methods.fastkv import FastKV
 from kvbudget.methods.full import FullCache
 from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
+from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
@@ -67,6 +68,7 @@ REGISTRY: dict[str, type[Method]] = {
         FastKV,
         GemFilter,
         PyramidInfer,
+        KeyDiff,
     )
 }
 

@@ -54,6 +54,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 CAP_ON = ("run", "decode")
+#: a run's memory figures (bytes); None in a run that ran out of device memory
+PEAKS = ("prefill_peak_bytes", "decode_peak_bytes", "run_peak_bytes")
 
 
 def parse_size(text: str) -> int:
@@ -340,41 +342,63 @@ def find_batch(
 ) -> BatchSearch:
     """The largest batch ``b ≤ max_batch`` with ``measure(b)[key] ≤ cap`` (see the module docstring).
 
-    ``measure(b)`` runs ``b`` rows and returns the run's row. Batches are only run where the line
-    through the points measured so far says they fit (or one beyond, with ``check_next``).
+    ``measure(b)`` runs ``b`` rows and returns the run's row (``key``: its memory, None when it ran
+    out of memory). One row is run first, then while no run has failed, the batch the line through
+    the two largest fitting runs allows (through the origin with one run: for a fixed part ≥ 0 that
+    batch fits). The search stops when that line allows nothing more (``check_next``: only once
+    ``batch + 1`` is measured not to fit). After a failure it narrows the bracket between the
+    largest fitting and the smallest failing run along their chord (bisecting past a run out of
+    memory) until they are adjacent. At most ``1 + max_runs`` runs.
     """
     runs: dict[int, dict[str, Any]] = {}
 
-    def mem(b: int) -> int:
+    def mem(b: int) -> float:
         if b not in runs:
             runs[b] = measure(b)
-        return runs[b][key]
+        value = runs[b][key]
+        return math.inf if value is None else value  # None: the run ran out of memory
+
+    def line(points: list[int]) -> LineFit:
+        return fit_line({b: runs[b][key] for b in points})
 
     if mem(1) > cap:
-        return BatchSearch(0, runs, fit_line({1: runs[1][key]}), "one row exceeds the cap")
+        fit = line([1]) if runs[1][key] is not None else LineFit(math.nan, math.nan)
+        return BatchSearch(0, runs, fit, "one row exceeds the cap")
     fits, fails, converged = 1, None, False
     for _ in range(max_runs):
-        fit = fit_line({b: r[key] for b, r in runs.items()})
-        limit = max_batch if fails is None else min(max_batch, fails - 1)
-        guess = min(limit, fit.largest_under(cap))
-        if guess <= fits:  # the line allows nothing larger than a batch known to fit
-            if fits == limit or len(runs) > 1:
-                converged = True
-                break
-            guess = fits + 1  # one point only: a second fixes the line's fixed part
+        fitting = sorted(b for b in runs if mem(b) <= cap)[-2:]
+        if fits == max_batch or (fails is not None and fails == fits + 1):
+            converged = True
+            break
+        if fails is None:
+            guess = min(max_batch, line(fitting).largest_under(cap))
+            if guess <= fits:  # the line allows nothing beyond a batch known to fit
+                if len(fitting) > 1 and not check_next:
+                    converged = True
+                    break
+                guess = fits + 1  # a second point fixes the line's fixed part, or check_next
+        elif math.isfinite(mem(fails)):
+            guess = min(max(line([fits, fails]).largest_under(cap), fits + 1), fails - 1)
+        else:
+            guess = (fits + fails) // 2
         # every measured batch is ≤ fits or ≥ fails, and fits < guess < fails: never a rerun
         if mem(guess) <= cap:
             fits = guess
         else:
             fails = guess if fails is None else min(fails, guess)
-    fit = fit_line({b: r[key] for b, r in runs.items()})
+    fitting = sorted(b for b in runs if mem(b) <= cap)[-2:]
+    fit = line(fitting)
     if check_next and fits < max_batch and (fits + 1) not in runs:
-        mem(fits + 1)
+        mem(fits + 1)  # max_runs ran out first
     limited_by = "max_batch" if fits == max_batch else "cap"
     return BatchSearch(fits, runs, fit, limited_by, converged)
 
 
 # ------------------------------------------------------------------------------------- the bench
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
 def _median_times(rows: list[dict[str, Any]]) -> dict[str, float]:
     keys = ("prefill_s", "decode_s", "total_s", "tpot_s", "decode_tok_s", "total_tok_s")
     return {k: statistics.median(r[k] for r in rows) for k in keys}
@@ -393,7 +417,13 @@ def measure_case(
     run_batch(model, warm, method, budget, 3, 1, meter, pad_id)  # kernels, allocator, lazy imports
 
     def measure(batch: int) -> dict[str, Any]:
-        row = run_batch(model, prompt, method, budget, config.new_tokens, batch, meter, pad_id)
+        try:
+            row = run_batch(model, prompt, method, budget, config.new_tokens, batch, meter, pad_id)
+        except torch.OutOfMemoryError:  # a safety net on a device: the search never aims past the cap
+            gc.collect()
+            if progress:
+                progress(f"  {method} budget={budget} batch={batch}: out of device memory")
+            return {"batch": batch, "out_of_memory": True, **dict.fromkeys(PEAKS)}
         if progress:
             run_mib, decode_mib = row["run_peak_bytes"] / (1 << 20), row["decode_peak_bytes"] / (1 << 20)
             progress(
@@ -414,19 +444,25 @@ def measure_case(
         "fits": search.batch > 0,
         "limited_by": search.limited_by,
         "search_converged": search.converged,
-        "bytes_per_row": search.fit.per_row,
-        "fixed_bytes": search.fit.fixed,
-        "predicted_next_bytes": search.fit.at(search.batch + 1),
+        "bytes_per_row": _finite(search.fit.per_row),
+        "fixed_bytes": _finite(search.fit.fixed),
+        "predicted_next_bytes": _finite(search.fit.at(search.batch + 1)),
         "next_batch_bytes": search.runs.get(search.batch + 1, {}).get(key),
         "measured_batches": sorted(search.runs),
         "runs": [search.runs[b] for b in sorted(search.runs)],
     }
     for phase in CAP_ON:  # what the other accounting would allow, from the same runs
-        fit = fit_line({b: r[f"{phase}_peak_bytes"] for b, r in search.runs.items()})
-        out[f"{phase}_bytes_per_row"] = fit.per_row
-        out[f"batch_if_cap_on_{phase}"] = min(config.max_batch, fit.largest_under(config.memory_cap))
-    one = search.runs[1]
-    out["batch1_decode_tok_s"] = one["decode_tok_s"]
+        points = {
+            b: r[f"{phase}_peak_bytes"]
+            for b, r in search.runs.items()
+            if r[f"{phase}_peak_bytes"] is not None
+        }
+        fit = fit_line(points) if points else None
+        out[f"{phase}_bytes_per_row"] = fit.per_row if fit else None
+        out[f"batch_if_cap_on_{phase}"] = (
+            min(config.max_batch, fit.largest_under(config.memory_cap)) if fit else 0
+        )
+    out["batch1_decode_tok_s"] = search.runs[1].get("decode_tok_s")
     if search.batch == 0:
         return out
     chosen = [search.runs[search.batch]]

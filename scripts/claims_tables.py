@@ -42,9 +42,25 @@ def _label(column: tuple[str, float]) -> str:
     return f"r={column[1]:g}" if column[0] == "r" else f"B={column[1]:g}"
 
 
+#: Tasks count only where both methods have at least this many samples (a task still running is left out).
+MIN_SAMPLES = 20
+
+
 def _try(rows, a, b, column, tasks) -> PairedDifference | None:
+    """``a − b`` over the tasks (of ``tasks``, if given) where both scored ``MIN_SAMPLES`` samples."""
+    per_label = []
+    for label in (a, b):
+        seen = {(r["task"], r["sample"]) for r in rows if r["label"] == label and r.get("score") is not None
+                and row_column(r) in (None, column)}  # fmt: skip
+        per_label.append(Counter(task for task, _ in seen))
+    complete = [
+        t for t, n in per_label[0].items()
+        if n >= MIN_SAMPLES and per_label[1][t] >= MIN_SAMPLES and (tasks is None or t in tasks)
+    ]  # fmt: skip
+    if not complete:
+        return None
     try:
-        return paired_difference(rows, a, b, column, tasks=tasks, resamples=2000)
+        return paired_difference(rows, a, b, column, tasks=complete, resamples=2000)
     except KVBudgetError:
         return None
 
@@ -130,6 +146,24 @@ def asl_ttft(path: Path) -> list[str]:
     return lines
 
 
+def dtype_table(rows: list[dict]) -> list[str]:
+    """Full-cache scores in bfloat16 and float32 on the same samples, per task and over tasks."""
+    rows = [{**r, "label": r["dtype"]} for r in rows if r["method"] == "full" and r.get("score") is not None]
+    tasks = sorted({r["task"] for r in rows})
+    lines = ["| task | bfloat16 | float32 | bf16 − fp32 | samples |", "|---|---|---|---|---|"]
+    anywhere = ("r", 0.0)  # full-cache rows have no column: any column matches them
+    for name, wanted in [*((t, [t]) for t in tasks), ("**mean over tasks**", tasks)]:
+        result = _try(rows, "bfloat16", "float32", anywhere, wanted)
+        if result is None:
+            continue
+        a, b = result.a, result.b
+        lines.append(
+            f"| {name} | {_pct(a.mean)} [{_pct(a.low)}, {_pct(a.high)}] | {_pct(b.mean)} [{_pct(b.low)}, "
+            f"{_pct(b.high)}] | {_cell(result)} | {result.difference.n} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,6 +171,7 @@ def main() -> None:
     parser.add_argument("--leaderboard", type=Path, default=Path("results/leaderboard"))
     parser.add_argument("--baklava", type=Path, default=Path("results/claims-baklava"))
     parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
+    parser.add_argument("--dtype-check", type=Path, default=Path("results/dtype-check"))
     args = parser.parse_args()
     rows = [r for r in load_rows(args.leaderboard / "results.jsonl") if r.get("error") is None]
     counts = Counter((r["task"], r.get("compression_ratio")) for r in rows if r["method"] == "lava")
@@ -144,6 +179,10 @@ def main() -> None:
     for (task, ratio), n in sorted(counts.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
         print(f"- r={ratio}: {task} ({n})")
     extraction = [t for t in {r["task"] for r in rows} if t != "lcc"]
+
+    if (args.dtype_check / "results.jsonl").exists() or (args.dtype_check / "results.jsonl.gz").exists():
+        print("\n## bfloat16 against float32 (full cache, same samples)\n")
+        print("\n".join(dtype_table(load_rows(args.dtype_check / "results.jsonl"))))
 
     print("\n## LAVa against its baselines (every task)\n")
     base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]

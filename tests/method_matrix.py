@@ -34,6 +34,7 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "fastkv": {"window": 4, "kernel": 3},
     "gemfilter": {"kernel": 3},
     "pyramidinfer": {"min_context": 8, "decay": 0.5},
+    "kvzip": {"chunk": 48},  # two or more reconstruction passes on the tiny prompts
 }
 
 ALL_METHODS = method_names()

@@ -281,6 +281,7 @@ def run_lookahead(
     if eos is None:
         eos = model_eos_ids(model)
     mask, last_pos = inputs.mask[:, :cut], inputs.positions[:, cut - 1]
+    session.prompt_ids = inputs.ids[:, :cut]
     session.method.run_lookahead(model, cache, logits, mask, last_pos, eos)
 
 

@@ -52,6 +52,8 @@ class CompressionSession:
             probabilities, column sums), shared with other sessions that observe the very same
             queries and uncompressed layer — the runs :func:`kvbudget.snapshot.derive` makes from
             one snapshot. ``None`` (the default): each observation starts empty.
+        prompt_ids: ``[b, T]`` token ids of the compressed part (left-padded), set by the engine
+            right before a lookahead method's ``run_lookahead`` (KVzip feeds the context again).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class CompressionSession:
         self.recorded_queries: dict[int, torch.Tensor] = {}
         self.scaling: float | None = None
         self.observation_memos: dict[int, dict] | None = None
+        self.prompt_ids: torch.Tensor | None = None
 
     def _prefill_observation(
         self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float

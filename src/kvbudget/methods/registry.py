@@ -20,6 +20,7 @@ from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
+from kvbudget.methods.kvzip import KVzip
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
 from kvbudget.methods.presets import preset_options, split_preset
@@ -69,6 +70,7 @@ REGISTRY: dict[str, type[Method]] = {
         GemFilter,
         PyramidInfer,
         KeyDiff,
+        KVzip,
     )
 }
 

@@ -22,15 +22,15 @@ from kvbudget.eval.store import load_rows
 HARD = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "kv_retrieval")
 
 
-def _pct(value: float) -> str:
-    return f"{100 * value:.1f}"
+def _pct(value: float, scale: float = 100.0) -> str:
+    return f"{scale * value:.1f}"
 
 
-def _cell(result: PairedDifference | None) -> str:
+def _cell(result: PairedDifference | None, scale: float = 100.0) -> str:
     if result is None:
         return "–"
     d = result.difference
-    return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+    return f"{scale * d.mean:+.1f} [{scale * d.low:+.1f}, {scale * d.high:+.1f}]"
 
 
 def _columns(rows: list[dict]) -> list[tuple[str, float]]:
@@ -46,7 +46,7 @@ def _label(column: tuple[str, float]) -> str:
 MIN_SAMPLES = 20
 
 
-def _try(rows, a, b, column, tasks) -> PairedDifference | None:
+def _try(rows, a, b, column, tasks, min_samples: int = MIN_SAMPLES) -> PairedDifference | None:
     """``a − b`` over the tasks (of ``tasks``, if given) where both scored ``MIN_SAMPLES`` samples."""
     per_label = []
     for label in (a, b):
@@ -55,7 +55,7 @@ def _try(rows, a, b, column, tasks) -> PairedDifference | None:
         per_label.append(Counter(task for task, _ in seen))
     complete = [
         t for t, n in per_label[0].items()
-        if n >= MIN_SAMPLES and per_label[1][t] >= MIN_SAMPLES and (tasks is None or t in tasks)
+        if n >= min_samples and per_label[1][t] >= min_samples and (tasks is None or t in tasks)
     ]  # fmt: skip
     if not complete:
         return None
@@ -65,19 +65,26 @@ def _try(rows, a, b, column, tasks) -> PairedDifference | None:
         return None
 
 
-def pairs_table(rows: list[dict], pairs: list[tuple[str, str]], tasks: list[str] | None = None) -> list[str]:
+def pairs_table(
+    rows: list[dict],
+    pairs: list[tuple[str, str]],
+    tasks: list[str] | None = None,
+    min_samples: int = MIN_SAMPLES,
+    scale: float = 100.0,
+) -> list[str]:
     """One row per pair, one column per compression column: mean(a) vs mean(b), a − b [95% CI]."""
     columns = _columns([r for r in rows if r["label"] in {x for p in pairs for x in p}])
     lines = ["| a − b | " + " | ".join(_label(c) for c in columns) + " |", "|---|" + "---|" * len(columns)]
     for a, b in pairs:
         cells = []
         for column in columns:
-            result = _try(rows, a, b, column, tasks)
+            result = _try(rows, a, b, column, tasks, min_samples)
             if result is None:
                 cells.append("–")
                 continue
             cells.append(
-                f"{_pct(result.a.mean)} vs {_pct(result.b.mean)}: {_cell(result)} ({len(result.tasks)} tasks)"
+                f"{_pct(result.a.mean, scale)} vs {_pct(result.b.mean, scale)}: {_cell(result, scale)} "
+                f"({len(result.tasks)} tasks)"
             )
         lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
     return lines
@@ -215,8 +222,19 @@ def main() -> None:
     if (args.baklava / "results.jsonl").exists() or (args.baklava / "results.jsonl.gz").exists():
         ppl = [r for r in load_rows(args.baklava / "results.jsonl") if r.get("error") is None]
         print("\nperplexity (lower is better; a − b < 0 favours a):\n")
-        print("\n".join(pairs_table(ppl, [("baklava", "streamingllm"), ("baklava", "squeezeattention"),
-                                         ("baklava", "full")])))  # fmt: skip
+        tuned = {
+            label: label + ":profile=" + str(args.baklava / "profile.json")
+            for label in ("baklava", "squeezeattention")
+        }
+        ppl_pairs = [
+            (tuned["baklava"], "streamingllm"), (tuned["baklava"], tuned["squeezeattention"]),
+            (tuned["baklava"], "baklava"), ("baklava", "streamingllm"), ("streamingllm", "full"),
+        ]  # fmt: skip
+        print(
+            "\n".join(pairs_table(ppl, ppl_pairs, min_samples=8, scale=1.0)).replace(
+                ":profile=" + str(args.baklava / "profile.json"), " (tuned)"
+            )
+        )
 
     print("\n## Lookahead Q-Cache against SnapKV (gain by ratio)\n")
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]

@@ -1,7 +1,10 @@
 """The tables of docs/claims.md, from committed results (no model runs):
 
-    .venv/bin/python scripts/claims_tables.py [--leaderboard results/leaderboard]
-        [--baklava results/claims-baklava] [--asl-ttft results/claims-asl-ttft] [--tasks a,b]
+    .venv/bin/python scripts/claims_tables.py [--update docs/claims.md] [--leaderboard results/leaderboard]
+        [--baklava results/claims-baklava] [--asl-ttft results/claims-asl-ttft] [--dtype-check DIR]
+
+Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
+those blocks in the file.
 
 Every difference is paired (the same samples for both methods; kvbudget.eval.paired) with its 95%
 stratified bootstrap interval; ``ahead``/``behind`` only where the interval excludes 0.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -171,6 +175,67 @@ def dtype_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Every table of docs/claims.md by name (the name of its ``<!-- claims:NAME -->`` block)."""
+    rows = [r for r in load_rows(args.leaderboard / "results.jsonl") if r.get("error") is None]
+    extraction = sorted(t for t in {r["task"] for r in rows} if t != "lcc")
+    out: dict[str, list[str]] = {}
+    if (args.dtype_check / "results.jsonl").exists() or (args.dtype_check / "results.jsonl.gz").exists():
+        out["dtype"] = dtype_table(load_rows(args.dtype_check / "results.jsonl"))
+
+    base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]
+    out["lava-baselines"] = pairs_table(rows, [("lava", b) for b in base])
+    ablations = [("lava", b) for b in ("lava-uniform", "lava-nohead", "lava-pyramid")]
+    out["lava-ablations"] = pairs_table(rows, ablations)
+    out["lava-ablations-code"] = pairs_table(rows, ablations, tasks=["lcc"])
+    out["lava-ablations-extraction"] = pairs_table(rows, ablations, tasks=extraction)
+
+    asl_pairs = [
+        (a, b) for a in ("asl", "asl-2pass", "asl-fullkv") for b in ("fastkv", "gemfilter", "pyramidinfer")
+    ]
+    asl_pairs += [("asl", "snapkv")]
+    out["asl"] = pairs_table(rows, asl_pairs)
+    out["asl-hard"] = pairs_table(rows, asl_pairs, tasks=list(HARD))
+    out["asl-layers"] = selection_layers(rows, ["asl", "asl-2pass", "fastkv", "gemfilter"])
+    if (args.asl_ttft / "bench.json").exists():
+        out["asl-ttft"] = asl_ttft(args.asl_ttft)
+
+    bak = [("baklava", "streamingllm"), ("baklava", "squeezeattention"), ("baklava-snapkv", "snapkv")]
+    out["baklava-tasks"] = pairs_table(rows, bak)
+    if (args.baklava / "results.jsonl").exists() or (args.baklava / "results.jsonl.gz").exists():
+        ppl = [r for r in load_rows(args.baklava / "results.jsonl") if r.get("error") is None]
+        profile = ":profile=" + str(args.baklava / "profile.json")
+        tuned = {label: label + profile for label in ("baklava", "squeezeattention")}
+        ppl_pairs = [
+            (tuned["baklava"], "streamingllm"), (tuned["baklava"], tuned["squeezeattention"]),
+            (tuned["baklava"], "baklava"), ("baklava", "streamingllm"), ("streamingllm", "full"),
+        ]  # fmt: skip
+        lines = pairs_table(ppl, ppl_pairs, min_samples=8, scale=1.0)
+        out["baklava-perplexity"] = [line.replace(profile, " (tuned)") for line in lines]
+
+    laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
+    out["laq"] = pairs_table(rows, laq)
+    out["laq-overhead"] = laq_overhead(rows)
+    return out
+
+
+def update(path: Path, tables: dict[str, list[str]]) -> list[str]:
+    """Replace each ``<!-- claims:NAME -->`` … ``<!-- /claims:NAME -->`` block of ``path`` with its
+    table; returns the names written."""
+    text = path.read_text(encoding="utf-8")
+    written = []
+    for name, lines in tables.items():
+        pattern = re.compile(
+            rf"(<!-- claims:{re.escape(name)} -->\n).*?(\n<!-- /claims:{re.escape(name)} -->)", re.S
+        )
+        body = "\n".join(lines)
+        text, n = pattern.subn(lambda m, body=body: m.group(1) + body + m.group(2), text)
+        if n:
+            written.append(name)
+    path.write_text(text, encoding="utf-8")
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -179,68 +244,16 @@ def main() -> None:
     parser.add_argument("--baklava", type=Path, default=Path("results/claims-baklava"))
     parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
     parser.add_argument("--dtype-check", type=Path, default=Path("results/dtype-check"))
+    parser.add_argument(
+        "--update", type=Path, default=None, help="rewrite the tables of this file (docs/claims.md)"
+    )
     args = parser.parse_args()
-    rows = [r for r in load_rows(args.leaderboard / "results.jsonl") if r.get("error") is None]
-    counts = Counter((r["task"], r.get("compression_ratio")) for r in rows if r["method"] == "lava")
-    print("## Tasks per column (lava rows)\n")
-    for (task, ratio), n in sorted(counts.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
-        print(f"- r={ratio}: {task} ({n})")
-    extraction = [t for t in {r["task"] for r in rows} if t != "lcc"]
-
-    if (args.dtype_check / "results.jsonl").exists() or (args.dtype_check / "results.jsonl.gz").exists():
-        print("\n## bfloat16 against float32 (full cache, same samples)\n")
-        print("\n".join(dtype_table(load_rows(args.dtype_check / "results.jsonl"))))
-
-    print("\n## LAVa against its baselines (every task)\n")
-    base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]
-    print("\n".join(pairs_table(rows, [("lava", b) for b in base])))
-    print("\n## LAVa ablations (every task / lcc only / extraction tasks only)\n")
-    ablations = [("lava", b) for b in ("lava-uniform", "lava-nohead", "lava-pyramid")]
-    print("\n".join(pairs_table(rows, ablations)))
-    print("\nlcc (code completion):\n")
-    print("\n".join(pairs_table(rows, ablations, tasks=["lcc"])))
-    print("\nextraction (retrieval) tasks:\n")
-    print("\n".join(pairs_table(rows, ablations, tasks=extraction)))
-
-    print("\n## ASL against layer-wise token selection (every task / hard retrieval tasks)\n")
-    asl_pairs = [
-        (a, b) for a in ("asl", "asl-2pass", "asl-fullkv") for b in ("fastkv", "gemfilter", "pyramidinfer")
-    ]
-    asl_pairs += [("asl", "snapkv")]
-    print("\n".join(pairs_table(rows, asl_pairs)))
-    print("\nhard retrieval tasks (" + ", ".join(HARD) + "):\n")
-    print("\n".join(pairs_table(rows, asl_pairs, tasks=list(HARD))))
-    print("\n### Selection layers (median, range)\n")
-    print("\n".join(selection_layers(rows, ["asl", "asl-2pass", "fastkv", "gemfilter"])))
-    if (args.asl_ttft / "bench.json").exists():
-        print("\n### TTFT relative to the full prefill\n")
-        print("\n".join(asl_ttft(args.asl_ttft)))
-
-    print("\n## BaKlaVa against uniform and layer-only budgets\n")
-    bak = [("baklava", "streamingllm"), ("baklava", "squeezeattention"), ("baklava-snapkv", "snapkv")]
-    print("\n".join(pairs_table(rows, bak)))
-    if (args.baklava / "results.jsonl").exists() or (args.baklava / "results.jsonl.gz").exists():
-        ppl = [r for r in load_rows(args.baklava / "results.jsonl") if r.get("error") is None]
-        print("\nperplexity (lower is better; a − b < 0 favours a):\n")
-        tuned = {
-            label: label + ":profile=" + str(args.baklava / "profile.json")
-            for label in ("baklava", "squeezeattention")
-        }
-        ppl_pairs = [
-            (tuned["baklava"], "streamingllm"), (tuned["baklava"], tuned["squeezeattention"]),
-            (tuned["baklava"], "baklava"), ("baklava", "streamingllm"), ("streamingllm", "full"),
-        ]  # fmt: skip
-        print(
-            "\n".join(pairs_table(ppl, ppl_pairs, min_samples=8, scale=1.0)).replace(
-                ":profile=" + str(args.baklava / "profile.json"), " (tuned)"
-            )
-        )
-
-    print("\n## Lookahead Q-Cache against SnapKV (gain by ratio)\n")
-    laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
-    print("\n".join(pairs_table(rows, laq)))
-    print("\n### Lookahead share of TTFT\n")
-    print("\n".join(laq_overhead(rows)))
+    tables = blocks(args)
+    if args.update is not None:
+        print("updated: " + ", ".join(update(args.update, tables)))
+        return
+    for name, lines in tables.items():
+        print(f"<!-- claims:{name} -->\n" + "\n".join(lines) + f"\n<!-- /claims:{name} -->\n")
 
 
 if __name__ == "__main__":

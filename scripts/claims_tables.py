@@ -226,9 +226,9 @@ def update(path: Path, tables: dict[str, list[str]]) -> list[str]:
     written = []
     for name, lines in tables.items():
         pattern = re.compile(
-            rf"(<!-- claims:{re.escape(name)} -->\n).*?(\n<!-- /claims:{re.escape(name)} -->)", re.S
+            rf"(<!-- claims:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /claims:{re.escape(name)} -->)", re.S
         )
-        body = "\n".join(lines)
+        body = "\n".join(lines) + "\n"
         text, n = pattern.subn(lambda m, body=body: m.group(1) + body + m.group(2), text)
         if n:
             written.append(name)

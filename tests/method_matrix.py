@@ -34,6 +34,8 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "fastkv": {"window": 4, "kernel": 3},
     "gemfilter": {"kernel": 3},
     "pyramidinfer": {"min_context": 8, "decay": 0.5},
+    "lagkv": {"sinks": 2, "lag_size": 8},
+    "chunkkv": {"window": 4, "kernel": 3, "chunk_size": 5},
     "kvzip": {"chunk": 48},  # two or more reconstruction passes on the tiny prompts
 }
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvbudget.cache import BudgetLayer
+from kvbudget.errors import UnknownMethodError
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
 
@@ -55,12 +56,13 @@ def kept(layer: BudgetLayer) -> list[set[int]]:
     return [set(layer.head(h)[2][0].tolist()) for h in range(layer.num_heads)]
 
 
-def top(scores: dict[int, float], k: int) -> set[int]:
-    """The ``k`` best entries, asserting a gap of ``TOL`` at the cut."""
-    ranked = sorted(scores, key=lambda e: -scores[e])
+def top(scores: dict[int, float], k: int, exact_ties_to_earlier: bool = False) -> set[int]:
+    """The ``k`` best entries, asserting a gap of ``TOL`` at the cut. ``exact_ties_to_earlier``:
+    equal scores (max pooling copies one value to its neighbours) go to the earlier entry."""
+    ranked = sorted(scores, key=lambda e: (-scores[e], e))
     if 0 < k < len(ranked):
         gap = scores[ranked[k - 1]] - scores[ranked[k]]
-        assert gap > TOL, f"tie at the cut ({gap}): pick another seed"
+        assert gap > TOL or (exact_ties_to_earlier and gap == 0), f"tie at the cut ({gap}): pick another seed"
     return set(ranked[:k])
 
 
@@ -109,3 +111,182 @@ def test_keydiff_decode_recomputes_the_anchor_over_the_held_entries() -> None:
             entries = sorted(held[h] | {N + step})
             held[h] = top(keydiff_reference(keys[h], entries), budget)
         assert kept(layer) == held
+
+
+# -------------------------------------------------------------------------------------------- lagkv
+def lag_partition_scores(states: np.ndarray, start: int, lag: int) -> list[float]:
+    """Authors' ``_get_states_score`` for the partition at ``start`` of one head: each token's
+    channels min-max normalised by the NEXT partition, std over channels (ddof 1), softmax."""
+    ref = states[start + lag : start + 2 * lag]
+    low, high = ref.min(0), ref.max(0)
+    spread = []
+    for t in range(start, start + lag):
+        z = [(states[t, c] - low[c]) / (high[c] - low[c]) for c in range(states.shape[1])]
+        mean = sum(z) / len(z)
+        spread.append(math.sqrt(sum((x - mean) ** 2 for x in z) / (len(z) - 1)))
+    top_s = max(spread)
+    exps = [math.exp(s - top_s) for s in spread]
+    return [e / sum(exps) for e in exps]
+
+
+def lagkv_reference(fx: Fixture, h: int, budget: int, sinks: int, lag: int) -> set[int]:
+    n = fx.n
+    keep_sinks = set(range(min(sinks, n)))
+    if n < sinks + 2 * lag:  # nothing to score: the most recent tokens
+        return keep_sinks | set(range(n - (budget - len(keep_sinks)), n))
+    partitions = (n - sinks) // lag - 1
+    tail_start = sinks + partitions * lag
+    tail = list(range(tail_start, n))
+    if budget - sinks <= len(tail):
+        return keep_sinks | set(tail[len(tail) - (budget - sinks) :])
+    token: dict[int, float] = {}
+    for p in range(partitions):
+        start = sinks + p * lag
+        ks = lag_partition_scores(fx.nk[h], start, lag)
+        vs = lag_partition_scores(fx.nv[h], start, lag)
+        for i in range(lag):
+            token[start + i] = ks[i] + vs[i]
+    rest = budget - sinks - len(tail)
+    each, extra = divmod(rest, partitions)
+    chosen: set[int] = set()
+    next_best: dict[int, float] = {}
+    for p in range(partitions):
+        members = {e: token[e] for e in range(sinks + p * lag, sinks + (p + 1) * lag)}
+        ranked = sorted(members, key=lambda e: -members[e])
+        chosen |= top(members, each) if each else set()
+        if extra:
+            assert members[ranked[each]] - members[ranked[each + 1]] > TOL
+            next_best[ranked[each]] = members[ranked[each]]
+    if extra:  # the partitions whose next-best tokens score highest get one more
+        chosen |= top(next_best, extra)
+    return keep_sinks | set(tail) | chosen
+
+
+@pytest.mark.parametrize(
+    ("n", "budget", "seed"),
+    [(48, 24, 0), (48, 26, 1), (48, 30, 2), (48, 10, 3), (16, 10, 4), (51, 25, 5)],
+)
+def test_lagkv_keeps_sinks_tail_and_an_even_share_of_each_partition(n: int, budget: int, seed: int) -> None:
+    """Lag 8, 2 sinks. 48 tokens: 4 scored partitions and a tail of 14; budgets 24 (2 per
+    partition), 26 and 30 (uneven splits), 10 (less than sinks + tail); 16 tokens: too short to
+    score; 51 tokens: a tail of 17."""
+    fx = Fixture(seed, n)
+    layer = fx.compress(make_method("lagkv", sinks=2, lag_size=8), budget)
+    for h in range(H):
+        want = lagkv_reference(fx, h, budget, 2, 8)
+        assert len(want) == budget
+        assert kept(layer)[h] == want
+
+
+def test_lagkv_reference_is_the_lagging_partition_not_the_own_one() -> None:
+    """Teeth: normalising each partition by its own min/max keeps another set."""
+    fx = Fixture(6)
+    layer = fx.compress(make_method("lagkv", sinks=2, lag_size=8), 24)
+    for h in range(H):  # shift the references onto the partitions themselves
+        chosen = set()
+        for p in range(4):
+            start = 2 + p * 8
+            shifted_k = np.concatenate([fx.nk[h][: start + 8], fx.nk[h][start : start + 8]])
+            shifted_v = np.concatenate([fx.nv[h][: start + 8], fx.nv[h][start : start + 8]])
+            ks, vs = lag_partition_scores(shifted_k, start, 8), lag_partition_scores(shifted_v, start, 8)
+            chosen |= top({start + i: ks[i] + vs[i] for i in range(8)}, 2)
+        assert kept(layer)[h] != {0, 1} | set(range(34, 48)) | chosen
+
+
+def test_lagkv_rejects_a_lag_below_two() -> None:
+    with pytest.raises(UnknownMethodError, match="lag_size must be an integer ≥ 2"):
+        make_method("lagkv", lag_size=1)
+
+
+# ------------------------------------------------------------------------------------------ chunkkv
+def snapkv_token_scores(fx: Fixture, w: int, kernel: int) -> list[list[float]]:
+    """SnapKV's window score per KV head: the last ``w`` queries' softmax over their causal prefix,
+    summed over the rows, GQA mean, max-pooled over the candidates ``[0, n − w)`` only."""
+    n = fx.n
+    out = []
+    for h in range(H):
+        per_head = [0.0] * (n - w)
+        for qh in range(h * G, (h + 1) * G):
+            for i in range(n - w, n):
+                logits = [float(fx.nq[qh, i] @ fx.nk[h, j]) * SCALE for j in range(i + 1)]
+                peak = max(logits)
+                exps = [math.exp(x - peak) for x in logits]
+                for j in range(n - w):
+                    per_head[j] += exps[j] / sum(exps) / G
+        r = kernel // 2
+        out.append([max(per_head[max(0, j - r) : j + r + 1]) for j in range(n - w)])
+    return out
+
+
+def chunk_reference(token: list[float], chunk: int, rest: int) -> set[int]:
+    """Whole chunks by summed score (a short last chunk by its mean × chunk), then the best tokens
+    of the next chunk for what is left."""
+    c = len(token)
+    chunks = [list(range(s, min(s + chunk, c))) for s in range(0, c, chunk)]
+    score = {i: sum(token[e] for e in members) / len(members) * chunk for i, members in enumerate(chunks)}
+    chosen: set[int] = set()
+    ranked = sorted(score, key=lambda i: -score[i])
+    for pos, i in enumerate(ranked):
+        left = rest - len(chosen)
+        if left <= 0:
+            break
+        if pos + 1 < len(ranked):
+            assert score[i] - score[ranked[pos + 1]] > TOL
+        if len(chunks[i]) <= left:
+            chosen |= set(chunks[i])
+        else:
+            chosen |= top({e: token[e] for e in chunks[i]}, left, exact_ties_to_earlier=True)
+    return chosen
+
+
+@pytest.mark.parametrize(("budget", "seed"), [(19, 0), (21, 1), (28, 2)])
+def test_chunkkv_keeps_whole_chunks_of_layer_summed_snapkv_scores(budget: int, seed: int) -> None:
+    """48 tokens, window 4, chunks of 5 (8 full and one of 4): budget 19 = 3 chunks, 21 = 3 chunks
+    and the 2 best tokens of the 4th, 28 = 4 chunks and 4 tokens."""
+    fx = Fixture(seed)
+    w = 4
+    layer = fx.compress(make_method("chunkkv", window=w, kernel=3, chunk_size=5), budget)
+    per_head = snapkv_token_scores(fx, w, 3)
+    token = [per_head[0][j] + per_head[1][j] for j in range(N - w)]
+    want = chunk_reference(token, 5, budget - w) | set(range(N - w, N))
+    assert kept(layer) == [want] * H
+    # teeth: SnapKV's own per-head top-k keeps other entries
+    snap = fx.compress(make_method("snapkv", window=w, kernel=3), budget)
+    assert kept(snap) != kept(layer)
+
+
+def test_chunkkv_over_keydiff_scores() -> None:
+    fx = Fixture(3)
+    layer = fx.compress(make_method("chunkkv", scorer="keydiff", window=4, chunk_size=6), 22)
+    per_head = [keydiff_reference(fx.nk[h], list(range(N))) for h in range(H)]
+    token = [per_head[0][j] + per_head[1][j] for j in range(N - 4)]
+    assert kept(layer) == [chunk_reference(token, 6, 18) | set(range(N - 4, N))] * H
+
+
+def test_chunkkv_reuse_shares_the_first_layer_of_each_group() -> None:
+    method = make_method("chunkkv", window=4, kernel=3, chunk_size=5, reuse=2)
+    fixtures = [Fixture(10 + layer_idx) for layer_idx in range(LAYERS)]
+    layers = [fx.compress(method, 19, layer_idx) for layer_idx, fx in enumerate(fixtures)]
+    own = []
+    for fx in fixtures:
+        per_head = snapkv_token_scores(fx, 4, 3)
+        token = [per_head[0][j] + per_head[1][j] for j in range(N - 4)]
+        own.append(chunk_reference(token, 5, 15) | set(range(N - 4, N)))
+    assert [kept(layer)[0] for layer in layers] == [own[0], own[0], own[2], own[2]]
+    assert own[1] != own[0] and own[3] != own[2]  # the reuse changed what layers 1 and 3 keep
+    assert all(kept(layer)[0] == kept(layer)[1] for layer in layers)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"scorer": "fastkv"}, "has no per-layer prefill score"),
+        ({"scorer": "chunkkv"}, "scorer must be another scoring method"),
+        ({"scorer": "keydiff", "kernel": 5}, "scorer 'keydiff' has no option kernel"),
+        ({"chunk_size": 0}, "chunk_size must be an integer ≥ 1"),
+        ({"scorer": "nope"}, "unknown method 'nope'"),
+    ],
+)
+def test_chunkkv_refuses_bad_options(options: dict, message: str) -> None:
+    with pytest.raises(UnknownMethodError, match=message):
+        make_method("chunkkv", **options)

@@ -336,6 +336,8 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "asl", "asl-fullkv", "asl-2pass", "fastkv", "gemfilter", "pyramidinfer",
         # references in tests/test_new_scorers.py
         "keydiff",
+        "lagkv",
+        "chunkkv",
         # references in tests/test_new_methods_2026.py
         "kvzip",
     }  # fmt: skip

@@ -13,6 +13,7 @@ from kvbudget.methods.baklava import BaKlaVa, BaKlaVaSnapKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.cake import CAKE
 from kvbudget.methods.cam import CaM
+from kvbudget.methods.chunkkv import ChunkKV
 from kvbudget.methods.d2o import D2O, D2ONoMerge, D2OUniform
 from kvbudget.methods.fastkv import FastKV
 from kvbudget.methods.full import FullCache
@@ -20,6 +21,7 @@ from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
+from kvbudget.methods.lagkv import LagKV
 from kvbudget.methods.kvzip import KVzip
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
@@ -70,6 +72,8 @@ REGISTRY: dict[str, type[Method]] = {
         GemFilter,
         PyramidInfer,
         KeyDiff,
+        LagKV,
+        ChunkKV,
         KVzip,
     )
 }

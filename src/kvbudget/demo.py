@@ -36,10 +36,8 @@ def needle_kept_per_layer(result: GenerationResult, marked: list[int]) -> list[f
     needle = torch.tensor(marked)
     counts = []
     for layer in result.cache.layers:
-        per_head = [
-            torch.isin(layer.head(h)[2][0], needle.to(layer.positions.device)).sum().item()
-            for h in range(layer.num_heads)
-        ]
+        positions = [layer.head(h)[2][0] for h in range(layer.num_heads)]
+        per_head = [torch.isin(p, needle.to(p.device)).sum().item() for p in positions]
         counts.append(sum(per_head) / len(per_head))
     return counts
 

@@ -21,6 +21,11 @@ budget (or ratio), keyed by a config hash that holds the ratio for ratio rows; a
 finished rows, so adding a method, budget or ratio to the same command runs only the new rows
 (``methods=["all"]`` takes every registered method at run time: a method registered later is
 added by rerunning the command). A crashing run becomes an error row and the grid goes on.
+
+One sample is the unit of work (:meth:`Runner.run_sample`: its shared prefill and every pending
+(method, budget) run, each row handed to a callback as it is made), so a sample can run elsewhere
+and its rows be written here: :mod:`kvbudget.eval.distributed` runs samples on Ray actors (each
+a ``Runner`` with no results file) while the driver's ``Runner`` (no model) writes the rows.
 """
 
 from __future__ import annotations
@@ -160,9 +165,16 @@ class Runner:
         tokenizer: PreTrainedTokenizerBase | None = None,
         progress: bool = True,
         sample_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+        device: str | torch.device = "cpu",
+        load: bool = True,
     ) -> None:
         """``sample_guard``, when given, makes a context manager entered around each sample's runs
-        (e.g. a lock that lets other jobs on the machine take turns between samples)."""
+        (e.g. a lock that lets other jobs on the machine take turns between samples).
+
+        ``out=None``: no results file is opened (a worker that only computes rows, see
+        :meth:`run_sample`). ``device``: where a model loaded here goes (``cpu``, ``cuda``,
+        ``auto``). ``load=False``: no model at all, a driver that plans the grid and writes rows
+        computed elsewhere (its ``tokenizer``, which :meth:`samples` needs, may be set later)."""
         dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")  # one-line error when unknown
         for ratio in config.compression_ratios:
             if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0.0 <= ratio < 1.0):
@@ -175,7 +187,7 @@ class Runner:
             compression_ratios=[float(r) for r in config.compression_ratios],
         )  # fmt: skip
         self.config = config
-        self.out = Path(out)
+        self.out = Path(out) if out is not None else None
         self.progress = progress
         self.sample_guard = sample_guard or contextlib.nullcontext
         self.tasks = [get_task(name) for name in config.tasks]
@@ -185,12 +197,13 @@ class Runner:
                 raise KVBudgetError(f"budgets must be positive, got {budget}")
         if not config.budgets and not config.compression_ratios and any(s.name != "full" for s in self.specs):
             raise BudgetError("no budgets: give budgets (entries per KV head) or compression ratios")
-        if model is None or tokenizer is None:
-            model, tokenizer = kvbudget.load_model(config.model, dtype=config.dtype)
+        if load and (model is None or tokenizer is None):
+            model, tokenizer = kvbudget.load_model(config.model, dtype=config.dtype, device=device)
         self.model, self.tokenizer = model, tokenizer
-        self.store = ResultStore(self.out / "results.jsonl")
-        self.eos = eos_ids(model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.store = ResultStore(self.out / "results.jsonl") if self.out is not None else None
+        if model is not None:
+            self.eos = eos_ids(model, tokenizer)
+            self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     # ------------------------------------------------------------------ grid
     def runs(self) -> list[tuple[MethodSpec, int | None, float | None]]:
@@ -240,22 +253,47 @@ class Runner:
             if not pending:
                 continue
             bar.set_description(f"{task.name} {length} #{index}")
-            try:
-                with self.sample_guard():
-                    self._run_sample(task, length, index, sample, pending, bar)
-            except Exception as err:  # the reference run failed: record every pending row as an error
-                for spec, budget, ratio in pending:
-                    self._record_error(task, length, index, sample, (spec, budget, ratio), None, err)
-                    bar.update(1)
+
+            def write(row: dict) -> None:
+                self.store.append(row)
+                bar.update(1)
+
+            with self.sample_guard():
+                self.run_sample(task, length, index, sample, pending, write)
         bar.close()
         return self.store.path
 
     # ------------------------------------------------------------------ one sample
+    def run_sample(
+        self,
+        task: TaskSpec,
+        length: int,
+        index: int,
+        sample: Sample,
+        pending: list[tuple[MethodSpec, int | None, float | None]],
+        emit: Callable[[dict], None],
+    ) -> None:
+        """Run ``pending`` (method, budget, ratio) runs of one sample, handing each row to ``emit`` as
+        it is made (a run that crashes gives an error row). When the sample itself fails (its
+        prompt, its full-cache reference run), every run not yet emitted becomes an error row."""
+        emitted: set[str] = set()
+
+        def once(row: dict) -> None:
+            emitted.add(row["key"])
+            emit(row)
+
+        try:
+            self._run_sample(task, length, index, sample, pending, once)
+        except Exception as err:
+            for run in pending:
+                if self.key(task, sample, *run) not in emitted:
+                    once(self._error_row(task, length, index, sample, run, None, err))
+
     def _run_sample(
-        self, task: TaskSpec, length: int, index: int, sample: Sample, pending: list, bar: tqdm
+        self, task: TaskSpec, length: int, index: int, sample: Sample, pending: list, emit: Callable
     ) -> None:
         if task.family == "perplexity":
-            self._run_perplexity(task, length, index, sample, pending, bar)
+            self._run_perplexity(task, length, index, sample, pending, emit)
             return
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
@@ -275,11 +313,12 @@ class Runner:
                     )
                     answers.insert(0, outcome.token_ids)
                 except Exception as err:
-                    self._record_error(task, length, index, sample, run, entries, err)
-                    bar.update(1)
+                    emit(self._error_row(task, length, index, sample, run, entries, err))
                     continue
-            self._record(task, length, index, sample, run, entries, outcome, reference, len(prompt.ids))
-            bar.update(1)
+            row = self._result_row(
+                task, length, index, sample, run, entries, outcome, reference, len(prompt.ids)
+            )
+            emit(row)
 
     def _run_one(
         self,
@@ -343,7 +382,7 @@ class Runner:
             selection_layer=selection_layer(method, 0),
         )
 
-    def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, bar) -> None:
+    def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, emit) -> None:
         """Perplexity rows: score = perplexity of the passage with the cache held at the budget."""
         ids = torch.tensor([self.tokenizer(sample.context, add_special_tokens=False)["input_ids"]])
         full = chunked_perplexity(self.model, ids, make_method("full"), None)
@@ -356,8 +395,7 @@ class Runner:
                 method = spec.build()
                 result = full if spec.name == "full" else chunked_perplexity(self.model, ids, method, entries)
             except Exception as err:
-                self._record_error(task, length, index, sample, run, entries, err)
-                bar.update(1)
+                emit(self._error_row(task, length, index, sample, run, entries, err))
                 continue
             row.update(
                 prediction="", score=result.perplexity, full_score=full.perplexity, nll=result.nll,
@@ -365,8 +403,7 @@ class Runner:
                 prompt_tokens=ids.shape[1], seconds=time.perf_counter() - start, error=None,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"),
             )  # fmt: skip
-            self.store.append(row)
-            bar.update(1)
+            emit(row)
 
     # ------------------------------------------------------------------ rows
     def _base_row(
@@ -395,9 +432,9 @@ class Runner:
             "answers": sample.answers,
         }
 
-    def _record(
+    def _result_row(
         self, task, length, index, sample, run, entries, outcome: RunOutcome, reference: RunOutcome, n
-    ):
+    ) -> dict:
         row = self._base_row(task, length, index, sample, run, entries)
         row.update(
             prediction=outcome.text,
@@ -421,13 +458,13 @@ class Runner:
             error=None,
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
-        self.store.append(row)
+        return row
 
-    def _record_error(self, task, length, index, sample, run, entries, err: Exception) -> None:
+    def _error_row(self, task, length, index, sample, run, entries, err: Exception) -> dict:
         row = self._base_row(task, length, index, sample, run, entries)
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         row.update(prediction=None, score=None, error=detail, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        self.store.append(row)
+        return row
 
 
 def run_eval(config: EvalConfig, out: Path, progress: bool = True, **kwargs: Any) -> Path:

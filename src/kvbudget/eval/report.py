@@ -48,7 +48,7 @@ from kvbudget.eval.intervals import (
     bootstrap_mean,
     bootstrap_mean_over_groups,
 )
-from kvbudget.eval.store import load_rows
+from kvbudget.eval.store import load_rows, no_results_message
 
 SOLVED = 0.5
 #: the label prefix of kvpress's rows (:mod:`kvbudget.eval.peer_rows`)
@@ -610,7 +610,7 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
     out = Path(out)
     rows = load_rows(out / "results.jsonl")
     if not rows:
-        raise KVBudgetError(f"no results in {out / 'results.jsonl'}: run `kvbudget eval --out {out}` first")
+        raise KVBudgetError(no_results_message(out))
     ok = [r for r in rows if r.get("error") is None]
     errors = [r for r in rows if r.get("error") is not None]
     models = sorted({r["model"] for r in rows})

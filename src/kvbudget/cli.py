@@ -155,6 +155,9 @@ def generate(
         bool, typer.Option(help="Question-agnostic: compress only the context.")
     ] = False,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    device: Annotated[
+        str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
+    ] = "auto",
 ) -> None:
     """Compress a context's KV cache and answer a question; prints the answer and cache statistics."""
     from kvbudget.engine import generate as run
@@ -172,7 +175,7 @@ def generate(
     check.at_least(max_new_tokens, 1, "--max-new-tokens")
     dtype = check.dtype(dtype)
     check.model_source(model)
-    lm, tokenizer = load_model(model, dtype=dtype)
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
     result = run(
         lm, tokenizer, context, question, answer_prefix, method=method_obj, budget=budget, ratio=ratio,
         max_new_tokens=max_new_tokens, compress_context_only=compress_context_only,
@@ -284,10 +287,37 @@ def evaluate(
     peer_python: Annotated[
         Path, typer.Option(help="Python of the kvpress environment (`make peer`), for --peer-presses.")
     ] = Path(".venv-peer/bin/python"),
+    device: Annotated[
+        str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
+    ] = "auto",
+    workers: Annotated[
+        int | None,
+        typer.Option(help="Run on Ray with this many worker actors (a local cluster unless --ray-address)."),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Join a running Ray cluster (auto or host:port) instead of starting one."),
+    ] = None,
+    gpus_per_worker: Annotated[float, typer.Option(help="GPUs each Ray worker requests.")] = 0.0,
+    threads_per_worker: Annotated[int, typer.Option(help="CPUs (torch threads) per Ray worker.")] = 1,
 ) -> None:
-    """Run an evaluation grid into OUT/results.jsonl (resumes; errors become rows), then report."""
+    """Run an evaluation grid into OUT/results.jsonl (resumes; errors become rows), then report.
+
+    With --workers or --ray-address the samples run on Ray actors (docs/distributed.md); the rows
+    and the file are the same as a local run's, and either kind of run resumes the other's file."""
     from kvbudget.eval.runner import EvalConfig, run_eval
     from kvbudget.eval.suites import suite as named_suite
+
+    distributed = workers is not None or ray_address is not None
+    if distributed:  # before anything else: Ray is an optional extra
+        from kvbudget.eval.distributed import RayOptions, require_ray
+
+        require_ray()
+        options = RayOptions(
+            workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker,
+            threads_per_worker=threads_per_worker, device=device,
+        )  # fmt: skip
+        options.validate()
 
     presses: list[str] = []
     if peer_presses:  # checked before any model loads
@@ -320,7 +350,12 @@ def evaluate(
     if not config.compression_ratios and any(p != "no_press" for p in presses):
         raise KVBudgetError("--peer-presses run at compression ratios: give --compression-ratios")
     _check_eval(config, out)
-    results = run_eval(config, out)
+    if distributed:
+        from kvbudget.eval.distributed import run_eval_distributed
+
+        results = run_eval_distributed(config, out, options)
+    else:
+        results = run_eval(config, out, device=device)
     console.print(f"results: [bold]{results}[/bold]")
     if presses:
         from kvbudget.eval.peer_rows import run_peer_rows
@@ -527,6 +562,9 @@ def bench(
     out: Annotated[Path, typer.Option(help="Output directory (bench.json, bench.md, plots).")] = Path(
         "runs/bench"
     ),
+    device: Annotated[
+        str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
+    ] = "cpu",
 ) -> None:
     """TTFT, TPOT, compression time, peak memory and KV bytes per method and context length."""
     if ctx.invoked_subcommand is not None:
@@ -534,8 +572,9 @@ def bench(
     from kvbudget.bench.grid import BenchConfig, run_bench
 
     config = BenchConfig(
-        model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads, batch=batch
-    )
+        model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads, batch=batch,
+        device=device,
+    )  # fmt: skip
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
     config.lengths = _ints(lengths, "lengths") or config.lengths

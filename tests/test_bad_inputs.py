@@ -258,6 +258,11 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("peer-no-python", ["bench", "peer", *M, "--peer-python", "{missing}"], ["no kvpress environment"]),
     ("peer-out-under-proc", [*PEER, "--out", PROC], [PROC, "cannot"]),
     ("peer-dtype", [*PEER, "--dtype", "x"], ["'x'", "float32"]),
+    ("tp-memory-cap", ["bench", "throughput", *M, "--memory-cap", "lots"], ["--memory-cap", "'lots'"]),
+    ("tp-cap-on", ["bench", "throughput", *M, "--cap-on", "both"], ["--cap-on", "'both'"]),
+    ("tp-unknown-model", ["bench", "throughput", "--model", "nope"], ["unknown model 'nope'"]),
+    ("tp-model-not-fetched", ["bench", "throughput"], ["qwen2.5-coder-0.5b", "not fetched"]),
+    ("tp-out-under-proc", ["bench", "throughput", *M, "--out", PROC], [PROC, "cannot"]),
     # ---- demo
     ("demo-unknown-model", ["demo", "--model", "qwen-9000"], ["unknown model 'qwen-9000'"]),
     ("demo-dtype", ["demo", *M, "--dtype", "float8"], ["float8", "float32"]),

@@ -704,6 +704,9 @@ def bench_throughput(
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
     config.lengths = _ints(lengths, "lengths") or config.lengths
+    config.validate()
+    check.model_source(model)
+    check.output_dir(out, "--out")
     path = run_throughput(config, out, progress=console.print)
     console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'throughput.md'}[/bold]")
 

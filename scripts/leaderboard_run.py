@@ -3,7 +3,9 @@
     .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
         [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32] [--peer-presses all]
 
-The model loads once for every task. Without budget options the suite's budgets and ratios run.
+The model loads once for every task. Without budget options it runs the committed plan: ratio
+0.875 on every task, then 0.75, 0.5 and 0.25 on ``LEADERBOARD_CORE_TASKS`` (docs/leaderboard.md says
+why); with them (and ``--tasks``), only what they name.
 ``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
 ``KVBUDGET_LOCK``, if set, names a file locked (flock) around each sample, so that other torch work
 on the machine (a test run) waits at most one sample instead of a whole task. The runner skips
@@ -25,8 +27,8 @@ from pathlib import Path
 import kvbudget
 from kvbudget.eval.peer_rows import run_peer_rows
 from kvbudget.eval.report import write_report
-from kvbudget.eval.runner import Runner
-from kvbudget.eval.suites import suite
+from kvbudget.eval.runner import EvalConfig, Runner
+from kvbudget.eval.suites import LEADERBOARD_CORE_TASKS, suite
 
 
 @contextlib.contextmanager
@@ -62,12 +64,15 @@ def main() -> None:
     args = parser.parse_args()
 
     config = suite("leaderboard")
+    parts: list[tuple[list[float], list[str]]] = []  # (ratios, tasks) run one after the other
     if args.compression_ratios is not None or args.budgets is not None:
         ratios = [float(r) for r in (args.compression_ratios or "").split(",") if r]
         budgets = [int(b) for b in (args.budgets or "").split(",") if b]
         config = dataclasses.replace(config, compression_ratios=ratios, budgets=budgets)
-    if args.tasks:
-        config = dataclasses.replace(config, tasks=args.tasks.split(","))
+        parts.append((ratios, args.tasks.split(",") if args.tasks else config.tasks))
+    else:
+        core = args.tasks.split(",") if args.tasks else LEADERBOARD_CORE_TASKS
+        parts += [([0.875], args.tasks.split(",") if args.tasks else config.tasks), ([0.75, 0.5, 0.25], core)]
     if args.methods:
         config = dataclasses.replace(config, methods=args.methods.split(","))
     config = dataclasses.replace(config, compress_context_only=args.agnostic)
@@ -87,23 +92,35 @@ def main() -> None:
         for name in ("tasks", "methods", "budgets", "compression_ratios"):
             whole[name] = before.get(name, []) + [v for v in whole[name] if v not in before.get(name, [])]
     path.write_text(json.dumps(whole, indent=2), encoding="utf-8")
-    for task in config.tasks:
-        started = time.time()
-        runner = Runner(
-            dataclasses.replace(config, tasks=[task]), args.out, model=model, tokenizer=tokenizer,
-            sample_guard=lambda: machine_lock(lock),
-        )  # fmt: skip
-        if args.peer_presses:  # kvpress's own process runs the task's samples; the lock is held throughout
-            with machine_lock(lock):
-                run_peer_rows(
-                    runner.config, args.out, args.peer_presses.split(","), model=model, tokenizer=tokenizer
-                )
-        else:
-            runner.run()
-        print(
-            f"{time.strftime('%H:%M:%S')} {task} done in {(time.time() - started) / 60:.1f} min", flush=True
-        )
+    for ratios, tasks in parts:
+        for task in tasks:
+            run_task(
+                args,
+                dataclasses.replace(config, tasks=[task], compression_ratios=ratios),
+                model,
+                tokenizer,
+                lock,
+            )
     write_report(args.out)
+
+
+def run_task(args: argparse.Namespace, config: EvalConfig, model, tokenizer, lock: str | None) -> None:
+    """One task of ``config`` (its methods, or kvpress's presses), a sample at a time under the lock."""
+    started = time.time()
+    runner = Runner(
+        config, args.out, model=model, tokenizer=tokenizer, sample_guard=lambda: machine_lock(lock)
+    )
+    if args.peer_presses:  # kvpress's own process runs the task's samples; the lock is held throughout
+        with machine_lock(lock):
+            run_peer_rows(
+                runner.config, args.out, args.peer_presses.split(","), model=model, tokenizer=tokenizer
+            )
+    else:
+        runner.run()
+    minutes = (time.time() - started) / 60
+    print(
+        f"{time.strftime('%H:%M:%S')} {config.tasks[0]} {config.compression_ratios} done in {minutes:.1f} min"
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from kvbudget.errors import BudgetError, KVBudgetError
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner, ratio_budget
 from kvbudget.eval.store import ResultStore, load_rows
-from kvbudget.eval.suites import suite
+from kvbudget.eval.suites import LEADERBOARD_CORE_TASKS, suite
 from kvbudget.eval.tasks import get_task
 from kvbudget.methods.registry import REGISTRY
 from kvbudget.methods.snapkv import SnapKV
@@ -249,13 +249,14 @@ def test_leaderboard_suite_is_the_issue_grid():
     config = suite("leaderboard")
     assert (config.model, config.dtype, config.limit) == ("qwen2.5-coder-0.5b", "bfloat16", 20)
     assert config.lengths == [2048] and config.methods == ["all"]
-    assert sorted(config.compression_ratios) == [0.25, 0.5, 0.75, 0.875] and config.budgets == [128]
+    assert sorted(config.compression_ratios) == [0.25, 0.5, 0.75, 0.875] and config.budgets == []
+    assert set(LEADERBOARD_CORE_TASKS) < set(config.tasks)
     families = {get_task(t).family for t in config.tasks}  # every task is registered
     assert families == {"needle", "ruler", "infinitebench", "code"}
     ruler = {"niah_single_1", "niah_multikey_2", "niah_multivalue", "vt", "fwe"}
     assert {"needle", "kv_retrieval", "passkey", "lcc"} | ruler <= set(config.tasks)
     config.budgets.append(512)  # a fresh grid each call
-    assert suite("leaderboard").budgets == [128]
+    assert suite("leaderboard").budgets == []
     with pytest.raises(KVBudgetError, match="expected one of smoke, demo, standard, leaderboard"):
         suite("huge")
 

@@ -75,7 +75,9 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for r in result["rows"]:
         runs = "; ".join(
-            f"{x['batch']}: {_mib(x['run_peak_bytes'])} / {_mib(x['decode_peak_bytes'])} / "
+            f"{x['batch']}: out of device memory"
+            if x.get("out_of_memory")
+            else f"{x['batch']}: {_mib(x['run_peak_bytes'])} / {_mib(x['decode_peak_bytes'])} / "
             f"{x['decode_tok_s']:.1f}"
             for x in r["runs"]
         )
@@ -95,8 +97,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         label = r["method"] if r["budget"] is None else f"{r['method']} @{r['budget']}"
         if len(result["config"]["lengths"]) > 1:
             label += f", {r['length']} tokens"
-        xs = [x["batch"] for x in r["runs"]]
-        ys = [x["decode_tok_s"] for x in r["runs"]]
+        done = [x for x in r["runs"] if not x.get("out_of_memory")]
+        xs, ys = [x["batch"] for x in done], [x["decode_tok_s"] for x in done]
         (line,) = ax.plot(xs, ys, marker="o", label=label)
         if r["fits"]:
             ax.scatter(

@@ -37,6 +37,7 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "lagkv": {"sinks": 2, "lag_size": 8},
     "chunkkv": {"window": 4, "kernel": 3, "chunk_size": 5},
     "kvzip": {"chunk": 48},  # two or more reconstruction passes on the tiny prompts
+    "r-kv": {"buffer": 1},  # re-selects after every decoded token: the cache stays at the budget
 }
 
 ALL_METHODS = method_names()

@@ -17,11 +17,12 @@ The references never call kvbudget's scoring, allocation or selection helpers:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvbudget
 from conftest import tiny_model, tiny_tokenizer
@@ -164,3 +165,231 @@ def test_kvzip_refuses_bad_options() -> None:
     ]:
         with pytest.raises(UnknownMethodError, match=words):
             make_method("kvzip", **options)
+
+
+# --------------------------------------------------------------------------- expected-attention
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The ``[d, d]`` matrix of ``x ↦ x·cos + rotate_half(x)·sin`` (transformers' RoPE), built entry
+    by entry: ``rotate_half(x) = [−x[d/2:], x[:d/2]]``."""
+    d = cos.shape[0]
+    m = torch.zeros(d, d, dtype=torch.float64)
+    for i in range(d):
+        m[i, i] = cos[i]
+        if i < d // 2:
+            m[i, i + d // 2] = -sin[i]
+        else:
+            m[i, i - d // 2] = sin[i]
+    return m
+
+
+def expected_attention_reference(model, ids: list[int], sinks: int, future: int, eps: float, cov_on: bool,
+                                 last: int) -> list[torch.Tensor]:  # fmt: skip
+    """Per layer ``[kv_heads, n]`` scores from the model's own projections and RoPE."""
+    cfg = model.config
+    hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // hq
+    n = len(ids)
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), past_key_values=cache, output_hidden_states=True)
+        positions = torch.arange(n, n + future)[None]
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    rbar = sum(rope_matrix(cos[0, t].double(), sin[0, t].double()) for t in range(future)) / future
+    scores = []
+    for layer_idx, layer in enumerate(model.model.layers):
+        with torch.no_grad():
+            h = layer.input_layernorm(out.hidden_states[layer_idx][0])
+            q = layer.self_attn.q_proj(h).view(n, hq, d).double()  # pre-RoPE queries
+        stats = q[max(sinks, n - last if last else 0) :]
+        keys = cache.layers[layer_idx].keys[0].double()  # [hk, n, d] post-RoPE
+        values = cache.layers[layer_idx].values[0].double()
+        per_head = torch.zeros(hq, n, dtype=torch.float64)
+        for qh in range(hq):
+            mu = stats[:, qh].mean(0)
+            centred = stats[:, qh] - mu
+            sigma = centred.T @ centred / stats.shape[0]
+            mu_f, sigma_f = rbar @ mu, rbar @ sigma @ rbar.T
+            k = keys[qh // (hq // hk), sinks:]
+            logits = k @ mu_f / math.sqrt(d)
+            if cov_on:
+                logits = logits + torch.stack([kk @ sigma_f @ kk for kk in k]) / (2 * d)
+            per_head[qh, sinks:] = torch.softmax(logits, 0)
+        grouped = per_head.view(hk, hq // hk, n).mean(1)
+        scores.append((grouped + eps) * values.norm(dim=-1))
+    return scores
+
+
+def ada_caps(scores: torch.Tensor, sinks: int, budget: int, alpha: float) -> list[int]:
+    """AdaKV's per-head counts (window excluded): winners of one sort over every (head, slot), then
+    ``n_h(1 − α) + B'α`` rounded by largest remainder (ties to the earlier head)."""
+    heads, n = scores.shape
+    b_prime = budget - sinks
+    triples = sorted(((float(scores[h, i]), h, i) for h in range(heads) for i in range(sinks, n)),
+                     key=lambda t: (-t[0], t[1], t[2]))  # fmt: skip
+    wins = [0] * heads
+    for _, h, _ in triples[: heads * b_prime]:
+        wins[h] += 1
+    shares = [w * (1 - alpha) + b_prime * alpha for w in wins]
+    caps = [math.floor(x) for x in shares]
+    rest = heads * b_prime - sum(caps)
+    for h in sorted(range(heads), key=lambda h: (-(shares[h] - caps[h]), h))[:rest]:
+        caps[h] += 1
+    return caps
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("options", "budget"),
+    [
+        ({"adaptive": False, "epsilon": 0.0}, 30),
+        ({}, 30),
+        ({"adaptive": False, "covariance": False, "queries": 40}, 24),
+        ({"floor_alpha": 0.0, "future": 64}, 20),
+    ],
+)  # fmt: skip
+def test_expected_attention_keeps_the_closed_form_top(kind: str, options: dict, budget: int) -> None:
+    method = make_method("expected-attention", **options)
+    ids = torch.randint(3, 90, (100,), generator=torch.Generator().manual_seed(11)).tolist()
+    cache = kvbudget.compress(tiny_model(kind, seed=2), torch.tensor([ids]), method=method, budget=budget)
+    scores = expected_attention_reference(
+        tiny_model(kind, seed=2),
+        ids,
+        method.sinks,
+        method.future,
+        method.epsilon,
+        method.covariance,
+        method.queries,
+    )
+    for layer_idx, layer in enumerate(cache.layers):
+        s = scores[layer_idx]
+        heads = s.shape[0]
+        caps = ada_caps(s, 4, budget, method.floor_alpha) if method.adaptive else [budget - 4] * heads
+        for h in range(heads):
+            ranked = sorted(range(4, len(ids)), key=lambda i: -float(s[h, i]))
+            assert float(s[h, ranked[caps[h] - 1]] - s[h, ranked[caps[h]]]) > 1e-7  # no near tie at the cut
+            expected = set(range(4)) | set(ranked[: caps[h]])
+            assert set(layer.head(h)[2][0].tolist()) == expected, (layer_idx, h)
+    entries = cache.stats().entries
+    assert int(entries.sum()) == entries.numel() * budget
+    if method.adaptive:
+        assert len(set(entries.flatten().tolist())) > 1  # head budgets differ
+
+
+def test_expected_attention_needs_a_rotary_model_and_good_options() -> None:
+    from kvbudget.errors import UnknownMethodError
+
+    for options, words in [
+        ({"future": 0}, "future"),
+        ({"epsilon": -1.0}, "epsilon"),
+        ({"floor_alpha": 2.0}, "floor"),
+    ]:
+        with pytest.raises(UnknownMethodError, match=words):
+            make_method("expected-attention", **options)
+
+
+# ----------------------------------------------------------------------------------------- r-kv
+RH, RG, RD = 2, 2, 8  # KV heads, GQA group, head dim
+
+
+def rkv_reference_keep(held: list[list[tuple[int, torch.Tensor]]], queries: list[torch.Tensor], budget: int,
+                       w: int, kernel: int, lam: float, thr: float) -> list[set[int]]:  # fmt: skip
+    """Per head the positions R-KV keeps of ``held[h] = [(position, key)]`` (slot order), scored by
+    the last ``w`` queries ``[q_heads, d]`` (float64 loops over heads, queries and entries)."""
+    scale = 1 / math.sqrt(RD)
+    keep = []
+    for h in range(RH):
+        entries = held[h]
+        n = len(entries)
+        cand = list(range(n - w))
+        attn = [0.0] * len(cand)
+        for q in queries:
+            logits = [
+                max(scale * float(q[h * RG + g].double() @ entries[j][1].double()) for g in range(RG))
+                for j in cand
+            ]
+            top = max(logits)
+            exps = [math.exp(x - top) for x in logits]
+            for j in cand:
+                attn[j] += exps[j] / sum(exps) / len(queries)
+        pooled = [max(attn[max(0, j - kernel // 2) : j + kernel // 2 + 1]) for j in cand]
+        unit = [e[1].double() / (e[1].double().norm() + 1e-8) for e in entries]
+        sim = [[0.0 if i == j else float(unit[i] @ unit[j]) for j in range(n)] for i in range(n)]
+        for i in range(n):
+            similar = [j for j in range(n) if j != i and sim[i][j] > thr]
+            if similar:
+                sim[i][max(similar)] = 0.0
+        means = [sum(sim[i][j] for i in range(n)) / n for j in range(n)]
+        top = max(means)
+        red = [math.exp(m - top) for m in means]
+        red = [r / sum(red) for r in red]
+        z = {j: lam * pooled[j] - (1 - lam) * red[j] for j in cand}
+        ranked = sorted(cand, key=lambda j: -z[j])
+        k = budget - w
+        assert z[ranked[k - 1]] - z[ranked[k]] > 1e-6, "near tie at the cut"
+        keep.append({entries[j][0] for j in ranked[:k]} | {entries[j][0] for j in range(n - w, n)})
+    return keep
+
+
+@pytest.mark.parametrize(("budget", "buffer", "seed"), [(12, 3, 0), (10, 1, 1), (16, 5, 2)])
+def test_rkv_prefill_and_decode_keep_importance_minus_redundancy(budget: int, buffer: int, seed: int) -> None:
+    from kvbudget.cache import BudgetLayer
+    from kvbudget.observation import Observation
+
+    g = torch.Generator().manual_seed(seed)
+    n0, steps, w = 30, 14, 4
+    base = torch.randn(RH, 3, RD, generator=g)  # few directions: many keys are near-copies (redundant)
+    keys = base[:, torch.randint(0, 3, (n0 + steps,), generator=g)] + 0.6 * torch.randn(
+        RH, n0 + steps, RD, generator=g
+    )
+    values = torch.randn(RH, n0 + steps, RD, generator=g)
+    queries = 2.0 * torch.randn(RH * RG, n0 + steps, RD, generator=g)
+    method = make_method("r-kv", window=w, buffer=buffer, kernel=3)
+    layer = BudgetLayer()
+    layer.update(keys[None, :, :n0].clone(), values[None, :, :n0].clone())
+    method.compress(Observation(0, 1, queries[None, :, :n0], layer, 1 / math.sqrt(RD)), targets=[budget])
+    held = [[(i, keys[h, i]) for i in range(n0)] for h in range(RH)]
+    recent = [queries[:, i] for i in range(n0 - w, n0)]
+    kept = rkv_reference_keep(held, recent, budget, w, 3, 0.1, 0.5)
+    held = [[(i, keys[h, i]) for i in sorted(kept[h])] for h in range(RH)]
+    compressions = 1
+    for t in range(n0, n0 + steps):
+        assert [layer.head(h)[2][0].tolist() for h in range(RH)] == [
+            [p for p, _ in held[h]] for h in range(RH)
+        ]
+        layer.update(keys[None, :, t : t + 1].clone(), values[None, :, t : t + 1].clone())
+        method.decode_step(Observation(0, 1, queries[None, :, t : t + 1], layer, 1 / math.sqrt(RD)), [budget])
+        held = [held[h] + [(t, keys[h, t])] for h in range(RH)]
+        recent = (recent + [queries[:, t]])[-w:]
+        if len(held[0]) >= budget + buffer:
+            kept = rkv_reference_keep(held, recent, budget, w, 3, 0.1, 0.5)
+            held = [[(p, k) for p, k in held[h] if p in kept[h]] for h in range(RH)]
+            compressions += 1
+        assert layer.head_lengths()[0].tolist() == [len(held[h]) for h in range(RH)]
+        assert budget <= len(held[0]) < budget + buffer
+    assert compressions >= 3
+
+
+def test_rkv_cache_stays_between_budget_and_budget_plus_buffer(llama, chat_tokenizer) -> None:
+    """End to end: the prompt is cut to B, then every 4th decoded token brings a head back to B."""
+    context = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 2
+    result = kvbudget.generate(
+        llama, chat_tokenizer, context, "What?", method=make_method("r-kv", buffer=4), budget=24,
+        max_new_tokens=12,
+    )  # fmt: skip
+    cells = llama.config.num_hidden_layers * llama.config.num_key_value_heads
+    assert result.cache_stats_after.entries.eq(24).all()
+    steps = len(result.token_ids) - 1
+    assert steps >= 8
+    assert result.cache_trace == [cells * (24 + s % 4) for s in range(1, steps + 1)]
+
+
+def test_rkv_refuses_bad_options() -> None:
+    from kvbudget.errors import UnknownMethodError
+
+    for options, words in [
+        ({"buffer": 0}, "buffer"),
+        ({"mix_lambda": 1.5}, "mix_lambda"),
+        ({"window": 0}, "window"),
+    ]:
+        with pytest.raises(UnknownMethodError, match=words):
+            make_method("r-kv", **options)

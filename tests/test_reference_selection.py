@@ -339,7 +339,7 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "lagkv",
         "chunkkv",
         # references in tests/test_new_methods_2026.py
-        "kvzip",
+        "kvzip", "expected-attention", "r-kv",
     }  # fmt: skip
     assert set(method_names()) == covered
 

@@ -15,20 +15,22 @@ from kvbudget.methods.cake import CAKE
 from kvbudget.methods.cam import CaM
 from kvbudget.methods.chunkkv import ChunkKV
 from kvbudget.methods.d2o import D2O, D2ONoMerge, D2OUniform
+from kvbudget.methods.expected_attention import ExpectedAttention
 from kvbudget.methods.fastkv import FastKV
 from kvbudget.methods.full import FullCache
 from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
-from kvbudget.methods.lagkv import LagKV
 from kvbudget.methods.kvzip import KVzip
+from kvbudget.methods.lagkv import LagKV
 from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
 from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
 from kvbudget.methods.presets import preset_options, split_preset
 from kvbudget.methods.pyramidinfer import PyramidInfer
 from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.random_eviction import RandomEviction
+from kvbudget.methods.rkv import RKV
 from kvbudget.methods.snapkv import SnapKV
 from kvbudget.methods.squeezeattention import SqueezeAttention
 from kvbudget.methods.streamingllm import StreamingLLM
@@ -75,6 +77,8 @@ REGISTRY: dict[str, type[Method]] = {
         LagKV,
         ChunkKV,
         KVzip,
+        ExpectedAttention,
+        RKV,
     )
 }
 

@@ -36,6 +36,7 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "pyramidinfer": {"min_context": 8, "decay": 0.5},
     "lagkv": {"sinks": 2, "lag_size": 8},
     "chunkkv": {"window": 4, "kernel": 3, "chunk_size": 5},
+    "qfilter": {"window": 4},
     "kvzip": {"chunk": 48},  # two or more reconstruction passes on the tiny prompts
     "r-kv": {"buffer": 1},  # re-selects after every decoded token: the cache stays at the budget
 }

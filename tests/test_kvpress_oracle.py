@@ -4,6 +4,13 @@ kvpress runs in its own environment (``make peer`` builds ``.venv-peer``: it nee
 < 5.3); the test saves a tiny random Llama, runs kvpress's press on it through the standalone
 runner, and compares the kept positions per layer and KV head with ours. Skipped only when the
 peer environment is absent.
+
+KeyDiff, LagKV, ChunkKV (over SnapKV) and Q-Filters are compared the same way, with settings matched
+(``NEW_PEERS``) at budgets where both sides are exact. Q-Filters' press downloads its filters from
+the hub, impossible here: a small script subclasses ``QFilterPress`` to take our profile's filters
+from a file instead. What is not compared: KeyDiff's and Q-Filters' decode-stage eviction (kvpress
+compresses the prefill only), LagKV's uneven splits (kvpress leaves them to ``topk``'s order among
+equal rank scores) and ChunkKV's layer-wise index reuse (kvpress has none).
 """
 
 from __future__ import annotations
@@ -218,3 +225,140 @@ def test_kvpress_server_that_cannot_start_raises_a_clear_error(tmp_path: Path) -
     with pytest.raises(KVBudgetError, match="the kvpress runner stopped"):
         kvpress_server(PEER, tmp_path / "none", tmp_path / "samples.jsonl", [], tmp_path / "k.log", "float32")
     assert (tmp_path / "k.log").read_text()  # the runner's traceback is kept
+
+
+# ----------------------------------------------------------------------- keydiff, lagkv, chunkkv, qfilter
+#: our method spec ↔ kvpress job, with settings matched; budgets where both sides are exact:
+#: LagKV (4 sinks, lag 32, 300 tokens: 8 scored partitions, a tail of 40) splits the rest evenly
+#: over the partitions (kvpress's equal rank scores leave an uneven split to topk's tie order);
+#: ChunkKV's window of 60 is three whole chunks of 20 (kvpress chunks the window too and scores it
+#: above everything, so its three chunks are always kept, as our protected window), and a budget of
+#: 60 + 20k is k whole chunks on both sides.
+NEW_PEERS: dict[str, tuple[str, dict, tuple[int, ...]]] = {
+    "keydiff": ("keydiff", {"press": "KeyDiffPress"}, (80, 160)),
+    "lagkv": ("lagkv:sinks=4,lag_size=32", {"press": "LagKVPress", "kwargs": {"n_sink": 4, "lag_size": 32}},
+              (84, 124)),
+    "chunkkv": (
+        "chunkkv:window=60,kernel=5,pooling=avg,reduce_rows=mean,chunk_size=20",
+        {"press": "ChunkKVPress", "kwargs": {"chunk_length": 20},
+         "inner": {"press": "SnapKVPress", "kwargs": {"window_size": 60, "kernel_size": 5}}},
+        (100, 160),
+    ),
+}  # fmt: skip
+
+#: kvpress's QFilterPress downloads its filters from the hub; this script (run by the peer Python)
+#: subclasses it to take the filters from a file instead, then records the kept positions the way
+#: the runner's ``--indices`` does (kept keys matched against the full cache's)
+QFILTER_SCRIPT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from kvpress import QFilterPress
+
+model_dir, spec_path, out_path = sys.argv[1:]
+spec = json.load(open(spec_path))
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+filters = torch.tensor(spec["q_filters"], dtype=torch.float32)
+
+class FileQFilterPress(QFilterPress):
+    def post_init_from_model(self, model):
+        self.q_filters = filters
+
+ctx = torch.tensor([spec["ids"]])
+n = ctx.shape[1]
+rows = {}
+with torch.inference_mode():
+    full = DynamicCache()
+    model.model(input_ids=ctx, past_key_values=full)
+    for budget in spec["budgets"]:
+        cache = DynamicCache()
+        with FileQFilterPress(compression_ratio=1.0 - (budget + 0.25) / n)(model):
+            model.model(input_ids=ctx, past_key_values=cache)
+        layers = []
+        for li, layer in enumerate(cache.layers):
+            heads = []
+            for h in range(layer.keys.shape[1]):
+                dist = torch.cdist(layer.keys[0, h].double(), full.layers[li].keys[0, h].double())
+                assert float(dist.min(-1).values.max()) < 1e-6
+                heads.append(sorted(dist.min(-1).indices.tolist()))
+            layers.append(heads)
+        rows[str(budget)] = layers
+json.dump(rows, open(out_path, "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def new_oracle(oracle: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """kvpress's KeyDiff, LagKV and ChunkKV(SnapKV) kept positions on the oracle's model and prompts."""
+    tmp = tmp_path_factory.mktemp("kvpress-new")
+    oracle["model"].save_pretrained(tmp / "model")
+    samples = [
+        {"id": sid, "context_ids": ids, "question_ids": [], "eos_ids": [], "max_new_tokens": 1}
+        for sid, ids in oracle["ids"].items()
+    ]
+    (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    jobs = [{**press, "method": name, "budget": b} for name, (_, press, bs) in NEW_PEERS.items() for b in bs]
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run(
+        [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
+         "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
+         "--out", str(tmp / "out.jsonl"), "--indices"],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
+    return {(r["method"], r["sample"], r["budget"]): r["indices"] for r in rows}
+
+
+def _assert_same(ours: list, theirs: list, budget: int) -> None:
+    assert len(ours) == len(theirs)
+    for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
+        for head, (a, b) in enumerate(zip(mine, peer, strict=True)):
+            assert len(a) == budget
+            assert a == b, f"layer {layer} head {head}: {sorted(set(a) ^ set(b))} differ"
+
+
+@pytest.mark.parametrize("sample", ["s1", "s2"])
+@pytest.mark.parametrize("name", list(NEW_PEERS))
+def test_new_scorers_keep_kvpress_indices(oracle: dict, new_oracle: dict, name: str, sample: str) -> None:
+    spec, _, budgets = NEW_PEERS[name]
+    for budget in budgets:
+        ours = our_indices(oracle["model"], oracle["ids"][sample], spec, budget)
+        _assert_same(ours, new_oracle[(name, sample, budget)], budget)
+
+
+def test_new_scorer_comparisons_have_teeth(oracle: dict, new_oracle: dict) -> None:
+    """Plausible wrong settings keep other entries: LagKV with kvbudget's default sinks, ChunkKV
+    with SnapKV's max pooling, KeyDiff with a window."""
+    ids = oracle["ids"]["s1"]
+    model = oracle["model"]
+    assert our_indices(model, ids, "lagkv:sinks=16,lag_size=32", 84) != new_oracle[("lagkv", "s1", 84)]
+    wrong = "chunkkv:window=60,kernel=5,pooling=max,reduce_rows=mean,chunk_size=20"
+    assert our_indices(model, ids, wrong, 100) != new_oracle[("chunkkv", "s1", 100)]
+    assert our_indices(model, ids, "keydiff:window=32", 80) != new_oracle[("keydiff", "s1", 80)]
+
+
+def test_qfilter_keeps_kvpress_indices_with_the_same_filters(oracle: dict, tmp_path: Path) -> None:
+    """kvpress's QFilterPress with the filters of our profile (negated: the authors store −f and keep
+    the smallest ⟨k, −f⟩) keeps what our `qfilter` keeps with window 0."""
+    from kvbudget.profile_prompts import BUILTIN_TEXT
+    from kvbudget.profiles import build_profile, folded_prompt, save_profile
+
+    model = oracle["model"]
+    prompt = folded_prompt("text", BUILTIN_TEXT, "text", model.config.vocab_size, limit=200)
+    path = save_profile(build_profile(model, [prompt]), tmp_path / "profile.json")
+    filters = json.loads(path.read_text())["query_filters"]
+    model.save_pretrained(tmp_path / "model")
+    budgets = [80, 160]
+    spec = {"ids": oracle["ids"]["s1"], "budgets": budgets, "q_filters": (-torch.tensor(filters)).tolist()}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "qfilter.py").write_text(QFILTER_SCRIPT)
+    subprocess.run(
+        [str(PEER), "-P", str(tmp_path / "qfilter.py"), str(tmp_path / "model"), str(tmp_path / "spec.json"),
+         str(tmp_path / "out.json")],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    theirs = json.loads((tmp_path / "out.json").read_text())
+    for budget in budgets:
+        ours = our_indices(model, oracle["ids"]["s1"], f"qfilter:window=0,profile={path}", budget)
+        _assert_same(ours, theirs[str(budget)], budget)
+    assert our_indices(model, oracle["ids"]["s1"], f"qfilter:window=16,profile={path}", 80) != theirs["80"]

@@ -9,6 +9,7 @@ are checked to differ from a plausible wrong variant.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from kvbudget.cache import BudgetLayer
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import ProfileError, UnknownMethodError
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
 
@@ -290,3 +291,176 @@ def test_chunkkv_reuse_shares_the_first_layer_of_each_group() -> None:
 def test_chunkkv_refuses_bad_options(options: dict, message: str) -> None:
     with pytest.raises(UnknownMethodError, match=message):
         make_method("chunkkv", **options)
+
+
+# ------------------------------------------------------------------------------------------ qfilter
+def filter_reference(queries: np.ndarray, kv_heads: int) -> np.ndarray:
+    """The authors' ``make_filters.py`` in numpy: per query head the first right singular vector of
+    the (uncentred) queries, its sign set by the majority sign of the first left singular vector;
+    then the mean over each GQA group. Returned pointing WITH the queries (the authors store its
+    negative and keep the smallest projections)."""
+    hq, _, d = queries.shape
+    out = np.zeros((hq, d))
+    for h in range(hq):
+        u, _, vh = np.linalg.svd(queries[h], full_matrices=False)
+        out[h] = vh[0] if (u[:, 0] > 0).mean() > 0.5 else -vh[0]
+    return out.reshape(kv_heads, hq // kv_heads, d).mean(1)
+
+
+def test_query_directions_are_the_oriented_principal_query_direction_per_group() -> None:
+    from kvbudget.profiles import query_directions
+
+    g = torch.Generator().manual_seed(0)
+    offset = torch.randn(HQ, 1, D, generator=g) * 3.0  # queries concentrate along one direction
+    queries = torch.randn(HQ, 40, D, generator=g) + offset
+    got = query_directions(queries, H).numpy()
+    want = filter_reference(queries.double().numpy(), H)
+    np.testing.assert_allclose(got, want, atol=1e-9)
+    # each direction points with the bulk of its queries
+    for h in range(H):
+        assert (queries[h * G].double().numpy() @ want[h] > 0).mean() > 0.5
+    flipped = query_directions(-queries, H).numpy()
+    np.testing.assert_allclose(flipped, -want, atol=1e-9)
+
+
+def _recording_attention(store: dict):
+    """A test-local attention function: records the query transformers hands to it (after the
+    model's norms and RoPE) and computes exact causal attention."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        store[module.layer_idx] = query.detach().clone()
+        group = query.shape[1] // key.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key.repeat_interleave(group, 1),
+            value.repeat_interleave(group, 1),
+            is_causal=True,
+            scale=scaling,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _queries_seen_by_the_model(model, ids: list[int]) -> dict[int, torch.Tensor]:
+    from transformers import AttentionInterface
+
+    store: dict[int, torch.Tensor] = {}
+    AttentionInterface.register("test_record_queries", _recording_attention(store))
+    model.set_attn_implementation("test_record_queries")
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        model.set_attn_implementation("sdpa")
+    return store
+
+
+@pytest.fixture
+def qfilter_profile(tmp_path, monkeypatch):
+    """A tiny Llama, two folded prompts and the profile `kvbudget profile` would write for them."""
+    from conftest import tiny_model
+    from kvbudget.profile_prompts import BUILTIN_CODE, BUILTIN_TEXT
+    from kvbudget.profiles import build_profile, folded_prompt, save_profile
+
+    monkeypatch.setenv("KVBUDGET_HOME", str(tmp_path / "home"))
+    model = tiny_model("llama", seed=1)
+    prompts = [
+        folded_prompt("text", BUILTIN_TEXT, "text", model.config.vocab_size, limit=120),
+        folded_prompt("code", BUILTIN_CODE, "code", model.config.vocab_size, limit=80),
+    ]
+    path = save_profile(build_profile(model, prompts), tmp_path / "p.json")
+    return model, prompts, path
+
+
+def test_profile_filters_come_from_the_queries_the_model_uses(qfilter_profile) -> None:
+    model, prompts, path = qfilter_profile
+    seen = [_queries_seen_by_the_model(model, list(p.ids)) for p in prompts]
+    data = json.loads(path.read_text())
+    assert data["model"]["head_dim"] == 16
+    stored = np.array(data["query_filters"])
+    assert stored.shape == (LAYERS, 2, 16)
+    for layer in range(LAYERS):
+        queries = np.concatenate([s[layer][0].double().numpy() for s in seen], axis=1)  # [hq, T, d]
+        np.testing.assert_allclose(stored[layer], filter_reference(queries, 2), atol=2e-6)
+    # teeth: the pre-RoPE queries (q_proj's output) give other directions
+    pre = {}
+    attn = model.model.layers[1].self_attn
+    handle = attn.q_proj.register_forward_hook(lambda m, a, out: pre.setdefault("q", out.detach()))
+    with torch.no_grad():
+        model(torch.tensor([list(prompts[0].ids)]))
+    handle.remove()
+    pre_q = pre["q"][0].reshape(-1, 4, 16).transpose(0, 1).double().numpy()
+    post_q = seen[0][1][0].double().numpy()
+    assert not np.allclose(filter_reference(pre_q, 2), filter_reference(post_q, 2), atol=1e-3)
+
+
+def test_qfilter_keeps_the_window_and_the_largest_projections_then_decodes(qfilter_profile) -> None:
+    import kvbudget
+
+    model, _, path = qfilter_profile
+    filters = np.array(json.loads(path.read_text())["query_filters"])
+    ids = torch.randint(3, 90, (1, 61), generator=torch.Generator().manual_seed(4))
+    n, budget, window = 60, 20, 4
+    full = kvbudget.compress(model, ids, method="full", budget=100)  # keys of all 61 tokens
+    method = make_method("qfilter", window=window, profile=str(path))
+    cache = kvbudget.compress(model, ids[:, :n], method=method, budget=budget)
+    held = []
+    for layer_idx in range(LAYERS):
+        per_head = []
+        for h in range(2):
+            keys = full.layers[layer_idx].head(h)[0][0].double().numpy()
+            proj = {e: float(keys[e] @ filters[layer_idx, h]) for e in range(n - window)}
+            want = top(proj, budget - window) | set(range(n - window, n))
+            assert set(cache.layers[layer_idx].head(h)[2][0].tolist()) == want
+            # one decode step: the new token enters the window, the entry leaving it competes
+            entries = want | {n}
+            proj = {e: float(keys[e] @ filters[layer_idx, h]) for e in entries if e < n + 1 - window}
+            per_head.append(top(proj, budget - window) | set(range(n + 1 - window, n + 1)))
+        held.append(per_head)
+    with torch.no_grad():
+        model(ids[:, n:], past_key_values=cache)
+    assert [[set(layer.head(h)[2][0].tolist()) for h in range(2)] for layer in cache.layers] == held
+    # teeth: the opposite orientation (the authors' stored −f taken as is) keeps other entries
+    keys = full.layers[0].head(0)[0][0].double().numpy()
+    assert top({e: -float(keys[e] @ filters[0, 0]) for e in range(n - window)}, budget - window) != (
+        set(cache.layers[0].head(0)[2][0].tolist()) - set(range(n - window, n + 1))
+    )
+
+
+def test_qfilter_profile_errors_name_the_command(qfilter_profile, tmp_path) -> None:
+    import kvbudget
+
+    model, _, path = qfilter_profile
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(5))
+    missing = make_method("qfilter", window=4, profile=str(tmp_path / "none.json"))
+    with pytest.raises(ProfileError, match=r"does not exist; run `kvbudget profile"):
+        kvbudget.compress(model, ids, method=missing, budget=20)
+    data = json.loads(path.read_text())
+    del data["query_filters"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"has no query filters .*`kvbudget profile --model"):
+        kvbudget.compress(model, ids, method=make_method("qfilter", window=4, profile=str(old)), budget=20)
+    data = json.loads(path.read_text())
+    data["query_filters"][0][1] = data["query_filters"][0][1][:-1]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"'query_filters' must be a list of shape \[4\]\[2\]\[16\]"):
+        kvbudget.compress(model, ids, method=make_method("qfilter", window=4, profile=str(bad)), budget=20)
+    data["query_filters"][0][1] = [2.0] * 16
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"holds 2.0, not a number in \[-1, 1\]"):
+        kvbudget.compress(model, ids, method=make_method("qfilter", window=4, profile=str(bad)), budget=20)
+
+
+def test_qfilter_without_a_profile_file_measures_the_bundled_prompts(qfilter_profile) -> None:
+    """As BaKlaVa: no file → a profile of the two bundled prompts, built on the fly, with filters."""
+    import kvbudget
+    from kvbudget.profiles import builtin_profile
+
+    model, _, _ = qfilter_profile
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(6))
+    method = make_method("qfilter", window=4)
+    kvbudget.compress(model, ids, method=method, budget=20)
+    assert torch.equal(method.__dict__["_filters"], builtin_profile(model).filters())

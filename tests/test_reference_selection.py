@@ -338,6 +338,7 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "keydiff",
         "lagkv",
         "chunkkv",
+        "qfilter",
         # references in tests/test_new_methods_2026.py
         "kvzip", "expected-attention", "r-kv",
     }  # fmt: skip

@@ -29,6 +29,7 @@ from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
 from kvbudget.methods.presets import preset_options, split_preset
 from kvbudget.methods.pyramidinfer import PyramidInfer
 from kvbudget.methods.pyramidkv import PyramidKV
+from kvbudget.methods.qfilter import QFilter
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.rkv import RKV
 from kvbudget.methods.snapkv import SnapKV
@@ -76,6 +77,7 @@ REGISTRY: dict[str, type[Method]] = {
         KeyDiff,
         LagKV,
         ChunkKV,
+        QFilter,
         KVzip,
         ExpectedAttention,
         RKV,

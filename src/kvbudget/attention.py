@@ -9,6 +9,23 @@ happens at import; ``detach(model)`` restores the model's previous attention imp
 The cache reaches the attention function through a forward pre-hook on each attention module that
 copies the module's ``past_key_values`` argument into the ``kvbudget_cache`` keyword (transformers
 forwards extra keywords to the attention function).
+
+Architectures (``SUPPORTED_MODEL_TYPES``): Llama, Qwen2, Mistral, Qwen3, Gemma 2, Gemma 3 (text)
+and Phi-3. The function receives the queries and keys the model computed — after Qwen3's and
+Gemma 3's query/key norms, after RoPE (Gemma 3's local or global base per layer), split from
+Phi-3's fused ``qkv_proj`` — and applies what the model asks for on top of ``scaling``:
+
+* ``sliding_window=W`` (Mistral, Phi-3, Qwen2/Qwen3 with ``use_sliding_window``, Gemma's local
+  layers): a query at logical position ``p`` sees the keys at positions ``> p − W`` (transformers'
+  ``sliding_window_overlay``), computed from the positions the cache stores, so it stays exact
+  after compression. The window is recorded on the cache layer (``BudgetLayer.sliding_window``):
+  :class:`~kvbudget.observation.Observation` applies it to the probabilities methods score with,
+  and the cache drops the entries that left the window (see :mod:`kvbudget.cache`).
+* ``softcap=c`` (Gemma 2's ``attn_logit_softcapping``): logits become ``c · tanh(logits / c)``
+  before the mask and softmax, here and in the observation's probabilities.
+
+Sliding-window layers are compressed like every other layer, within their window: the method's
+budget applies to them too, and entries outside the window are never kept past the next forward.
 """
 
 from __future__ import annotations
@@ -76,7 +93,19 @@ def _causal_visibility(n_keys: int, q: int, device: torch.device) -> torch.Tenso
     return (cols[None, :] < n_old) | (cols[None, :] - n_old <= rows[:, None])
 
 
-def attention_mask_for(positions: torch.Tensor, q: int, has_invalid: bool) -> torch.Tensor | None:
+def window_visibility(positions: torch.Tensor, q: int, window: int) -> torch.Tensor:
+    """Sliding-window visibility: ``[b, 1, q, n]`` (``positions: [b, n]``) or ``[b, h, q, n]``
+    (``[b, h, n]``), True where the key's position is ``> p − window`` for the query at position
+    ``p``; the queries are the tokens of the last ``q`` keys. Invalid (``-1``) queries see every key
+    here (their rows are masked by validity elsewhere)."""
+    keys = positions if positions.dim() == 3 else positions[:, None]
+    queries = keys[..., -q:]
+    return (keys[..., None, :] > queries[..., :, None] - window) | (queries[..., :, None] < 0)
+
+
+def attention_mask_for(
+    positions: torch.Tensor, q: int, has_invalid: bool, window: int | None = None
+) -> torch.Tensor | None:
     """Boolean attention mask for ``q`` new queries over keys whose positions are ``positions``.
 
     Args:
@@ -84,15 +113,19 @@ def attention_mask_for(positions: torch.Tensor, q: int, has_invalid: bool) -> to
             the last ``q`` keys are the new tokens.
         q: number of new queries.
         has_invalid: whether any key may be invalid.
+        window: the layer's sliding window (``None`` = global attention): keys at positions
+            ``≤ p − window`` are hidden from the query at position ``p``.
 
     Returns:
         ``None`` when no mask is needed, else a bool mask broadcastable to ``[b, heads, q, n]``
         (True = attend). Invalid queries attend to themselves only, avoiding empty rows.
     """
     n = positions.shape[-1]
-    if not has_invalid and q == 1:
+    if not has_invalid and q == 1 and window is None:
         return None
     mask = _causal_visibility(n, q, positions.device)
+    if window is not None:
+        mask = mask & window_visibility(positions, q, window)
     if has_invalid:
         valid = positions >= 0
         if valid.dim() == 2:
@@ -100,68 +133,117 @@ def attention_mask_for(positions: torch.Tensor, q: int, has_invalid: bool) -> to
         else:
             valid = valid[:, :, None, :]
         diagonal = torch.zeros_like(mask)
-        diagonal[:, n - q :] = torch.eye(q, dtype=torch.bool, device=mask.device)
+        diagonal[..., n - q :] = torch.eye(q, dtype=torch.bool, device=mask.device)
         mask = (mask & valid) | diagonal
     return mask
+
+
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping: ``softmax(c · tanh(scaling · q kᵀ / c) + mask) v``.
+
+    ``query: [b, q_heads, q, d]``, ``key/value: [b, kv_heads, n, d]`` (each KV head serves
+    ``q_heads / kv_heads`` query heads), ``mask`` broadcastable to ``[b, q_heads, q, n]`` (True =
+    attend) or ``None`` (no mask). The softmax runs in fp32 (as transformers' eager attention).
+    Returns ``[b, q_heads, q, d_v]``.
+    """
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    logits = torch.tanh(logits / softcap) * softcap
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with GQA, or :func:`softcapped_attention` under a softcap."""
+    if softcap is not None:
+        if is_causal:
+            n, q = key.shape[2], query.shape[2]
+            mask = _causal_visibility(n, q, query.device)
+        return softcapped_attention(query, key, value, mask, scaling, softcap)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=True
+    )
 
 
 def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> torch.Tensor:
     """Exact attention of ``query: [b, q_heads, q, d]`` over all entries of ``layer``.
 
     The last ``q`` entries of every head are the queries' own tokens (they were just appended).
-    Returns ``[b, q_heads, q, d_v]``.
+    The layer's ``sliding_window`` and ``softcap`` (set by :func:`kvbudget_attention` from what the
+    model passes) apply. Returns ``[b, q_heads, q, d_v]``.
     """
     q = query.shape[2]
+    window, softcap = layer.sliding_window, layer.softcap
     if not layer.is_ragged:
-        if not layer.has_invalid and q == layer.keys.shape[2]:
-            return F.scaled_dot_product_attention(
-                query, layer.keys, layer.values, is_causal=q > 1, scale=scaling, enable_gqa=True
-            )
-        mask = attention_mask_for(layer.positions, q, layer.has_invalid)
+        n = layer.keys.shape[2]
+        if not layer.has_invalid and q == n and window is None:
+            return _sdpa(query, layer.keys, layer.values, None, scaling, softcap, is_causal=q > 1)
+        # a forward's own tokens have the same positions in every head: one mask serves all heads
+        positions = layer.positions[:, 0] if q == n else layer.positions
+        mask = attention_mask_for(positions, q, layer.has_invalid, window)
         if mask is not None and mask.dim() == 4 and mask.shape[1] > 1:
             mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
-        return F.scaled_dot_product_attention(
-            query, layer.keys, layer.values, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
+        return _sdpa(query, layer.keys, layer.values, mask, scaling, softcap)
     heads = layer.num_heads
     group = query.shape[1] // heads
     outputs = []
     for h in range(heads):
         k, v, pos = layer.head(h)
-        mask = attention_mask_for(pos, q, layer.has_invalid)
+        mask = attention_mask_for(pos, q, layer.has_invalid, window)
         outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, h * group : (h + 1) * group],
-                k[:, None],
-                v[:, None],
-                attn_mask=mask,
-                scale=scaling,
-                enable_gqa=True,
-            )
+            _sdpa(query[:, h * group : (h + 1) * group], k[:, None], v[:, None], mask, scaling, softcap)
         )
     return torch.cat(outputs, dim=1)
 
 
 def _plain_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: Any, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    info: Any,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Exact attention for caches that are not BudgetCaches (or no cache): causal + padding."""
+    """Exact attention for caches that are not BudgetCaches (or no cache): causal + padding, and
+    the sliding ``window`` over the key indices (such caches hold contiguous tokens ending with the
+    queries' own, as transformers' sliding-window cache layers do)."""
     q, n = query.shape[2], key.shape[2]
     if isinstance(info, torch.Tensor) and info.dim() == 4:
         mask = info
     else:
         padding = info.padding if isinstance(info, PaddingInfo) else None
-        if padding is None and (q == n or q == 1):
-            return F.scaled_dot_product_attention(
-                query, key, value, is_causal=q > 1 and q == n, scale=scaling, enable_gqa=True
-            )
+        if padding is None and (q == n or q == 1) and (window is None or n <= window):
+            return _sdpa(query, key, value, None, scaling, softcap, is_causal=q > 1 and q == n)
         mask = _causal_visibility(n, q, query.device)[None, None]
+        if window is not None:
+            index = torch.arange(n, device=query.device)
+            mask = mask & window_visibility(index[None], q, window)
         if padding is not None:
             padding = padding[:, -n:].to(torch.bool)
             diagonal = torch.zeros_like(mask)
             diagonal[..., n - q :] = torch.eye(q, dtype=torch.bool, device=mask.device)
             mask = (mask & padding[:, None, None, :]) | diagonal
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return _sdpa(query, key, value, mask, scaling, softcap)
 
 
 def kvbudget_attention(
@@ -177,19 +259,24 @@ def kvbudget_attention(
     """Attention function registered as ``"kvbudget"``.
 
     Args:
-        query: ``[b, q_heads, q, d]`` post-RoPE queries; key/value: what the cache returned.
+        query: ``[b, q_heads, q, d]`` post-RoPE queries (after the model's query norm, if any);
+            key/value: what the cache returned.
         attention_mask: the :class:`PaddingInfo` from :func:`kvbudget_mask` (or a user 4-D mask).
+        kwargs: ``sliding_window`` (the layer's window, ``None`` = global) and ``softcap`` (Gemma
+            2's attention logit soft-capping) as the model passes them; ``kvbudget_cache``.
 
     Returns:
         ``([b, q, q_heads, d], None)`` as transformers expects.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     cache = kwargs.get("kvbudget_cache")
     if not isinstance(cache, BudgetCache):
-        out = _plain_attention(query, key, value, attention_mask, scale)
+        out = _plain_attention(query, key, value, attention_mask, scale, window, softcap)
         return out.transpose(1, 2).contiguous(), None
     layer_idx = module.layer_idx
     layer = cache.layers[layer_idx]
+    layer.sliding_window, layer.softcap = window, softcap
     if isinstance(attention_mask, PaddingInfo):
         valid = attention_mask.new_token_valid()
         if valid is not None:
@@ -213,22 +300,31 @@ def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
 
 
 def _attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    """The decoder's attention modules: those with a ``layer_idx`` and separate ``q_proj``/``k_proj``
+    projections or a fused ``qkv_proj`` (Phi-3)."""
     return [
         m
         for m in model.modules()
-        if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")
+        if hasattr(m, "layer_idx")
+        and ((hasattr(m, "q_proj") and hasattr(m, "k_proj")) or hasattr(m, "qkv_proj"))
     ]
 
 
 def check_supported(model: PreTrainedModel) -> None:
-    """Raise :class:`UnsupportedModelError` unless the model is a Llama-like decoder."""
+    """Raise :class:`UnsupportedModelError` unless the model's architecture is in
+    ``SUPPORTED_MODEL_TYPES`` (decoders whose attention calls transformers' attention interface)."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported architecture '{model_type}': kvbudget supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        hint = (
+            " (multimodal Gemma 3 is not: its image tokens attend bidirectionally; use a text-only "
+            "gemma3_text checkpoint)"
+            if model_type == "gemma3"
+            else ""
         )
-    if getattr(model.config, "use_sliding_window", False):
-        raise UnsupportedModelError(f"sliding-window attention ({model_type}) is not supported")
+        raise UnsupportedModelError(
+            f"unsupported architecture '{model_type}': kvbudget supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
+        )
 
 
 def is_attached(model: PreTrainedModel) -> bool:

@@ -15,6 +15,14 @@ Design (docs/architecture.md §3):
   token or an empty slot of a shorter batch row); the validity mask is ``positions >= 0``.
 * **Per-entry state** (accumulated attention, merge counts, ...) lives in ``state`` with the same
   layout as ``positions`` and is gathered with the keys and values.
+* **Sliding-window layers.** The ``kvbudget`` attention records a layer's window
+  (``sliding_window``, from what the model passes it) and Gemma 2's ``softcap``. Entries at
+  positions ``≤ seen − window`` can never be seen again (the next token is at ``seen``):
+  :meth:`BudgetCache.update` drops them before appending, once at least ``min(32, window)`` have
+  accumulated (so decoding copies a window layer once every few dozen steps, not every step), in
+  the engine's phases (prefill, decode, off; a method's own extra pass leaves the layer as it is).
+  A compression method acts on such a layer like on any other; entries it keeps outside the
+  window leave at the next forward.
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ if TYPE_CHECKING:
 
 #: keys ``[*lead, n, d]``, values ``[*lead, n, d]`` and positions ``[*lead, n]`` of one layout
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+#: stale entries a sliding-window layer may hold before :meth:`BudgetCache.update` drops them
+WINDOW_SLACK = 32
+#: session phases whose forwards drop a sliding-window layer's stale entries (see ``BudgetCache.update``)
+WINDOW_TRIM_PHASES = ("prefill", "decode", "off")
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -173,6 +186,10 @@ class BudgetLayer(DynamicLayer):
         self.positions: torch.Tensor | list[torch.Tensor] | None = None
         self.state: dict[str, Any] = {}
         self.has_invalid = False
+        #: the layer's sliding window (``None`` = global attention) and attention logit soft-cap, as
+        #: the model passed them to the ``kvbudget`` attention
+        self.sliding_window: int | None = None
+        self.softcap: float | None = None
         self._storage: _Storage | None = None
         self._head_storage: list[_Storage] | None = None
 
@@ -388,6 +405,33 @@ class BudgetLayer(DynamicLayer):
         else:
             self.positions[:, :, -q:].masked_fill_(invalid[:, None, :], -1)
 
+    def drop_outside_window(self, slack: int = 1) -> int:
+        """Drop entries no later query can see: those at positions ``≤ seen − sliding_window`` (the
+        next token is at position ``seen``), invalid slots with them.
+
+        Entries are stored in position order, so the droppable ones lead each head. The layout is
+        kept: every head (of every batch row) drops the same number of leading entries — the fewest
+        any head of the layer can drop (per head in the per-head layout) — so a rectangular layer
+        stays rectangular for the methods that need it. Nothing happens before ``slack`` entries can
+        go. Returns the entries the fullest-dropping head lost (0: nothing done). A global layer
+        (``sliding_window is None``) is left alone.
+        """
+        window = self.sliding_window
+        if window is None or not self.is_initialized or self.seen - window < 0:
+            return 0
+        limit = self.seen - window
+        heads = self.positions if self.is_ragged else list(self.positions.unbind(1))
+        # leading run of droppable slots per row, then the fewest over rows: [heads]
+        leads = [int((p <= limit).long().cumprod(-1).sum(-1).min()) for p in heads]
+        drop = leads if self.is_ragged else [min(leads)] * len(heads)
+        if max(drop) < slack or max(drop) == 0:
+            return 0
+        b = self.batch_size
+        device = heads[0].device
+        kept = [torch.arange(d, p.shape[-1], device=device) for d, p in zip(drop, heads, strict=True)]
+        self.keep([kept for _ in range(b)])
+        return max(drop)
+
     def drop_last(self, count: int) -> None:
         """Forget the last ``count`` appended tokens (undo decode steps nothing has trimmed since).
 
@@ -592,6 +636,8 @@ class BudgetCache(Cache):
             )
         # room to decode into, unless the session is about to compress (and drop) this storage
         room = self.session is None or not self.session.method.stages
+        if layer.sliding_window is not None and self.pruned_slots is None and self._may_trim():
+            layer.drop_outside_window(slack=min(WINDOW_SLACK, layer.sliding_window))
         if self.pruned_slots is None:
             out = layer.update(key_states, value_states, first_fill_room=room)
         else:
@@ -600,12 +646,36 @@ class BudgetCache(Cache):
         self.note_memory(layer_idx)
         return out
 
+    def _may_trim(self) -> bool:
+        """Whether this forward may drop entries that left a sliding window: with no session or in
+        the engine's own phases; a method's extra pass over a cache (another phase) sees it as it is."""
+        return self.session is None or self.session.phase in WINDOW_TRIM_PHASES
+
     def note_memory(self, layer_idx: int) -> None:
         """Account layer ``layer_idx``'s current size and update ``peak_physical_bytes``."""
         size = self.layers[layer_idx].physical_bytes()
         self._total_bytes += size - self._layer_bytes[layer_idx]
         self._layer_bytes[layer_idx] = size
         self.peak_physical_bytes = max(self.peak_physical_bytes, self._total_bytes)
+
+    def drop_outside_window(self, slack: int = 1) -> int:
+        """Drop the entries no later query can see: those at positions ``≤ seen − sliding_window``
+        (the next token is at position ``seen``), and invalid slots with them, once at least
+        ``slack`` such entries exist in some head. Returns how many entries the fullest head lost
+        (0: nothing done). A global layer (``sliding_window is None``) is left alone."""
+        window = self.sliding_window
+        if window is None or not self.is_initialized:
+            return 0
+        limit = self.seen - window
+        heads = self.positions if self.is_ragged else list(self.positions.unbind(1))
+        stale = max(int(((p >= 0) & (p <= limit)).sum(-1).max()) for p in heads)
+        if stale < slack or stale == 0:
+            return 0
+        b = self.batch_size
+        self.keep(
+            [[(heads[h][r] > limit).nonzero().squeeze(-1) for h in range(len(heads))] for r in range(b)]
+        )
+        return stale
 
     def drop_last(self, count: int) -> None:
         """Forget the last ``count`` tokens in every layer (see :meth:`BudgetLayer.drop_last`)."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "ARCHITECTURES",
     "DEFAULT_MODEL",
     "MODELS",
     "SUPPORTED_DTYPES",
@@ -56,7 +57,27 @@ __all__ = [
 ]
 
 #: Architectures (``config.model_type``) whose attention kvbudget's hook can serve.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+)
+
+#: The supported architectures by name, with what the attention hook handles for each (for listings
+#: such as ``kvbudget methods``; see docs/architecture.md, "Supported architectures").
+ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama",
+    "qwen2": "Qwen2 (sliding-window layers too)",
+    "mistral": "Mistral (sliding window)",
+    "qwen3": "Qwen3 (query/key norms)",
+    "gemma2": "Gemma 2 (local/global layers, logit soft-capping)",
+    "gemma3_text": "Gemma 3 text (local/global layers, query/key norms)",
+    "phi3": "Phi-3 (fused QKV, sliding window)",
+}
 
 #: The model used when none is named.
 DEFAULT_MODEL = "smollm2-135m"

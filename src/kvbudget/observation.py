@@ -3,6 +3,11 @@
 Everything costly is computed on demand and memoised: window probabilities are cheap
 (``w × n``), full-attention column sums are computed in query chunks so memory stays
 ``O(n · chunk)``.
+
+The probabilities are the attention the model computes: the queries are the ones its attention
+received (after query norms and RoPE), Gemma 2's logit soft-capping applies (``layer.softcap``)
+and a sliding-window layer's queries see only the keys inside their window
+(``layer.sliding_window``, as :func:`kvbudget.attention.attention_mask_for`).
 """
 
 from __future__ import annotations
@@ -142,21 +147,28 @@ class Observation:
         keys = self.keys[:, :, :visible].float()
         grouped = query.float().reshape(b, heads, (hq // heads) * m, d)
         logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, hq, m, visible)
-        return logits.mul_(self.scaling)
+        logits.mul_(self.scaling)
+        softcap = self.layer.softcap
+        if softcap is not None:  # Gemma 2: c · tanh(logits / c)
+            logits.div_(softcap).tanh_().mul_(softcap)
+        return logits
 
     def _probs(self, query: torch.Tensor, visible: int, has_invalid: bool | None = None) -> torch.Tensor:
         """Softmax (fp32) over the first ``visible`` keys of ``query: [b, q_heads, m, d]``.
 
         The queries are the tokens of keys ``visible - m .. visible - 1``: causal inside that block,
-        invalid keys masked (an invalid query attends to itself only). ``has_invalid``: whether any of
-        those keys is invalid, when the caller already knows.
+        invalid keys masked (an invalid query attends to itself only), and on a sliding-window layer
+        the keys outside each query's window. ``has_invalid``: whether any of those keys is invalid,
+        when the caller already knows.
 
         The logits come from :meth:`scaled_logits` and are masked in place.
         """
         m = query.shape[2]
         logits = self.scaled_logits(query, visible)
-        if self._has_invalid(visible) if has_invalid is None else has_invalid:
-            mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=True)
+        window = self.layer.sliding_window
+        invalid = self._has_invalid(visible) if has_invalid is None else has_invalid
+        if invalid or window is not None:
+            mask = attention_mask_for(self.positions[:, :, :visible], m, has_invalid=invalid, window=window)
             if mask.shape[1] > 1:
                 mask = mask.repeat_interleave(self.group_size, dim=1)
             logits.masked_fill_(~mask, float("-inf"))

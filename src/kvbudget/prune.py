@@ -4,7 +4,8 @@
 head — built from the model's own modules (``embed_tokens``, ``rotary_emb``, ``layers[i]``,
 ``norm``, ``lm_head``) and the ``kvbudget`` attention, so the :class:`~kvbudget.cache.BudgetCache`
 is filled exactly as in ``model(...)``. With no pruning it reproduces ``model(...)``'s logits
-(tested to 1e-5 on Llama, Qwen2 and the real model).
+(tested to 1e-5 on Llama, Qwen2 and the real model; to 1e-4 on Qwen3, Gemma 2, Gemma 3 and Phi-3 in
+tests/test_architectures.py).
 
 After each layer a prune-stage method (:class:`~kvbudget.methods.prune_base.PruneMethod`) may cut
 rows of the batch to selected tokens: their hidden states are gathered and keep their true RoPE
@@ -19,6 +20,7 @@ tokens with re-indexed positions ``0..k−1``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,13 +41,35 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecoderParts:
-    """The modules a manual forward needs, taken from the model itself."""
+    """The modules a manual forward needs, taken from the model itself.
+
+    ``layer_types``: each layer's type when the rotary embedding differs per type (Gemma 3's local
+    and global RoPE bases), else ``None``; ``final_softcap``: the model's final logit soft-capping
+    (Gemma 2), else ``None``.
+    """
 
     embed: nn.Module
     rotary: nn.Module
     layers: nn.ModuleList
     norm: nn.Module
     head: nn.Module
+    layer_types: list[str] | None = None
+    final_softcap: float | None = None
+
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> list:
+        """Each layer's ``(cos, sin)`` for tokens at RoPE ``positions: [b, q]``."""
+        if self.layer_types is None:
+            shared = self.rotary(hidden, positions)
+            return [shared] * len(self.layers)
+        per_type = {t: self.rotary(hidden, positions, t) for t in set(self.layer_types)}
+        return [per_type[t] for t in self.layer_types]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over the final-normed ``hidden``, soft-capped as the model's own forward."""
+        logits = self.head(self.norm(hidden))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def decoder_parts(model: PreTrainedModel) -> DecoderParts:
@@ -63,7 +87,12 @@ def decoder_parts(model: PreTrainedModel) -> DecoderParts:
             "(model.embed_tokens/rotary_emb/layers/norm and lm_head; "
             f"missing: {', '.join(missing) or 'lm_head'})"
         )
-    return DecoderParts(base.embed_tokens, base.rotary_emb, base.layers, base.norm, model.lm_head)
+    per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+    return DecoderParts(
+        base.embed_tokens, base.rotary_emb, base.layers, base.norm, model.lm_head,
+        list(model.config.layer_types) if per_type else None,
+        getattr(model.config, "final_logit_softcapping", None),
+    )  # fmt: skip
 
 
 @dataclass
@@ -134,15 +163,15 @@ def _run_from(
 ) -> torch.Tensor | None:
     """Run ``seq`` through layers ``start..`` into ``cache`` (whose logical length becomes ``total``);
     ``pruned``: ``seq`` already lost tokens. See :func:`run_layers` for ``method`` and the result."""
-    rotary = parts.rotary(seq.hidden, seq.rope)
+    rotary = parts.rope(seq.hidden, seq.rope)
     targets = cache.session.targets if cache.session is not None else None
     try:
-        for layer in parts.layers[start:]:
+        for index, layer in enumerate(parts.layers[start:], start):
             cache.pruned_slots = (seq.slots, total) if pruned else None
             info = PaddingInfo(None if bool(seq.valid.all()) else seq.valid, seq.hidden.shape[1])
             out = layer(
                 seq.hidden, attention_mask=info, position_ids=seq.rope, past_key_values=cache,
-                use_cache=True, position_embeddings=rotary,
+                use_cache=True, position_embeddings=rotary[index],
             )  # fmt: skip
             seq.hidden = out[0] if isinstance(out, tuple) else out
             if method is None:
@@ -155,12 +184,11 @@ def _run_from(
             cuts = method.take_cuts()
             if cuts:
                 seq = seq.cut(cuts)
-                rotary = parts.rotary(seq.hidden, seq.rope)
+                rotary = parts.rope(seq.hidden, seq.rope)
                 pruned = True
     finally:
         cache.pruned_slots = None
-    hidden = parts.norm(seq.hidden if all_logits else seq.hidden[:, -1:])
-    logits = parts.head(hidden)
+    logits = parts.logits(seq.hidden if all_logits else seq.hidden[:, -1:])
     return logits if all_logits else logits[:, -1]
 
 

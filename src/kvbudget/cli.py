@@ -121,6 +121,9 @@ def methods() -> None:
         defaults = ", ".join(f"{k}={v}" for k, v in method.options().items())
         table.add_row(name, "+".join(cls.stages) or "-", cls.paper, defaults)
     console.print(table)
+    from kvbudget.models import ARCHITECTURES
+
+    console.print("Supported architectures: " + "; ".join(ARCHITECTURES.values()))
     from kvbudget.methods.presets import PRESET_SOURCES, PRESETS
 
     presets = Table(title="papers' comparison settings: write method@preset")

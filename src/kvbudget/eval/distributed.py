@@ -191,7 +191,8 @@ class RayEval:
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise KVBudgetError(f"cannot reach the Ray cluster at {opts.address}: {_one_line(err)}") from None
+            where = f"reach the Ray cluster at {opts.address}" if opts.address else "start a local cluster"
+            raise KVBudgetError(f"cannot {where}: {_one_line(err)}") from None
         self._started_ray = True
 
     def _worker_count(self) -> int:

@@ -362,3 +362,118 @@ def test_qfilter_keeps_kvpress_indices_with_the_same_filters(oracle: dict, tmp_p
         ours = our_indices(model, oracle["ids"]["s1"], f"qfilter:window=0,profile={path}", budget)
         _assert_same(ours, theirs[str(budget)], budget)
     assert our_indices(model, oracle["ids"]["s1"], f"qfilter:window=16,profile={path}", 80) != theirs["80"]
+
+
+# ------------------------------------------------------------ expected-attention and kvzip oracles
+def _ratio_job(
+    method: str, press: str, kwargs: dict, budget: int, ratio: float | None = None, inner=None
+) -> dict:
+    job = {"method": method, "press": press, "kwargs": kwargs, "budget": budget}
+    if (
+        ratio is not None
+    ):  # the press gets this ratio unchanged (KVzip prunes int(L·H·n·ratio) over the model)
+        job["compression_ratio"] = ratio
+    if inner is not None:
+        job["inner"] = inner
+    return job
+
+
+_EA_INNER = {"press": "ExpectedAttentionPress", "kwargs": {"epsilon": 0.01}}
+ORACLE_2026 = {
+    # ours ↔ kvpress job
+    "expected-attention:adaptive=false,epsilon=0.0": _ratio_job("ea", "ExpectedAttentionPress", {}, 100),
+    "expected-attention:floor_alpha=0.0": _ratio_job(
+        "ea-ada", "AdaKVPress", {"alpha_safeguard": 0.0}, 100, inner=_EA_INNER
+    ),  # fmt: skip
+    "kvzip": _ratio_job("kvzip", "KVzipPress", {}, 150, 0.5),
+    "kvzip:level=layer": _ratio_job("kvzip-layer", "KVzipPress", {"layerwise": True}, 150, 0.5),
+    "kvzip:chunk=100": _ratio_job("kvzip-chunk", "KVzipPress", {"chunk_size": 100}, 150, 0.5),
+}
+
+
+@pytest.fixture(scope="module")
+def oracle_2026(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """kvpress's kept positions for Expected Attention and KVzip on two 300-token prompts.
+
+    The model is saved with a tokenizer without a chat template: KVzipPress loads it from the
+    model's path to tokenise its requests, and so does our KVzip (prefix none, suffix ``"\\n"``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_tokenizer
+
+    tmp = tmp_path_factory.mktemp("kvpress2026")
+    tiny_model("llama", seed=3).save_pretrained(tmp / "model")
+    tiny_tokenizer().save_pretrained(tmp / "model")
+    samples = [
+        {"id": f"s{seed}", "context_ids": _ids(seed), "question_ids": [], "eos_ids": [], "max_new_tokens": 1}
+        for seed in (1, 2)
+    ]
+    (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (tmp / "jobs.json").write_text(json.dumps(list(ORACLE_2026.values())))
+    subprocess.run(
+        [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
+         "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
+         "--out", str(tmp / "out.jsonl"), "--indices"],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(tmp / "model").eval()  # name_or_path: the saved folder
+    return {"model": model, "ids": {s["id"]: s["context_ids"] for s in samples},
+            "kept": {(r["sample"], r["method"]): r["indices"] for r in rows}}  # fmt: skip
+
+
+def _kept_2026(model, ids: list[int], spec: str, job: dict, **options) -> list[list[list[int]]]:
+    from kvbudget.eval.runner import MethodSpec
+    from kvbudget.methods.registry import make_method
+
+    parsed = MethodSpec.parse(spec)
+    method = make_method(parsed.name, **{**dict(parsed.options), **options})
+    if "compression_ratio" in job:
+        cache = compress(model, torch.tensor([ids]), method=method, ratio=1.0 - job["compression_ratio"])
+    else:
+        cache = compress(model, torch.tensor([ids]), method=method, budget=job["budget"])
+    return [[layer.head(h)[2][0].tolist() for h in range(layer.num_heads)] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("sample", ["s1", "s2"])
+@pytest.mark.parametrize("spec", list(ORACLE_2026))
+def test_new_methods_keep_kvpress_indices(oracle_2026: dict, spec: str, sample: str) -> None:
+    """Expected Attention and KVzip configured like kvpress keep kvpress's positions, per layer and head.
+
+    Matched: ``ExpectedAttentionPress`` (uniform heads, ε 0) ↔ ``adaptive=false,epsilon=0``;
+    ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2), alpha_safeguard=0)`` ↔ ``floor_alpha=0`` (both
+    one top-k over the layer's heads); ``KVzipPress`` at ratio 0.5 ↔ ``kvzip`` at ratio 0.5 (one
+    top-k over every layer and head), ``layerwise=True`` ↔ ``level=layer``, ``chunk_size=100`` ↔
+    ``chunk=100`` (three passes, later ones quoting the previous chunk's last 8 tokens; kvpress's
+    request text is ours without the trailing space, so that case sets ``continue_prompt``).
+
+    Not matched, by design: the default head floor 0.2 (kvpress forces each head's top
+    ``int(0.2·B)`` in; we use AdaKV's ``n_h(1 − α) + α·B'``, as ``ada-snapkv``), and KVzip with a
+    chat template (kvpress scores the template's prefix 0 and evicts it first after its 4 sinks;
+    we keep it whole, as the authors' code keeps the system prompt).
+    """
+    job = ORACLE_2026[spec]
+    options = {}
+    if spec == "kvzip:chunk=100":
+        options["continue_prompt"] = "\n\nRepeat the part of the previous context exactly, starting with"
+    model = oracle_2026["model"]
+    theirs = oracle_2026["kept"][(sample, job["method"])]
+    ours = _kept_2026(model, oracle_2026["ids"][sample], spec, job, **options)
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert len(ours) == len(theirs) == layers
+    total = sum(len(h) for layer in ours for h in layer)
+    assert total == sum(len(h) for layer in theirs for h in layer) == layers * heads * job["budget"]
+    for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
+        for head, (a, b) in enumerate(zip(mine, peer, strict=True)):
+            assert a == b, f"layer {layer} head {head}: {sorted(set(a) ^ set(b))} differ"
+
+
+def test_new_methods_oracle_has_teeth(oracle_2026: dict) -> None:
+    """Our defaults keep other entries than the matched settings (ε, head floor; kvzip chunking)."""
+    ids = oracle_2026["ids"]["s1"]
+    model = oracle_2026["model"]
+    ea_default = _kept_2026(model, ids, "expected-attention", {"budget": 100})
+    assert ea_default != oracle_2026["kept"][("s1", "ea")]
+    assert ea_default != oracle_2026["kept"][("s1", "ea-ada")]
+    assert oracle_2026["kept"][("s1", "kvzip-chunk")] != oracle_2026["kept"][("s1", "kvzip")]

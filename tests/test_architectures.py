@@ -440,3 +440,15 @@ def test_layer_by_layer_forward_reproduces_the_model(kind):
     kvbudget.detach(model)
     real = mask.bool()
     assert torch.allclose(out[real], reference[real], atol=1e-4), (out - reference)[real].abs().max()
+
+
+def test_kvbudget_methods_lists_the_architectures():
+    from typer.testing import CliRunner
+
+    from kvbudget.cli import app
+
+    result = CliRunner().invoke(app, ["methods"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    listed = result.output.split("Supported architectures:")[1]
+    for name in ("Llama", "Qwen2", "Mistral", "Qwen3", "Gemma 2", "Gemma 3", "Phi-3"):
+        assert name in listed

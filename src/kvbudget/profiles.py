@@ -7,7 +7,9 @@ A profile is measured once per model from one or more prompts (BaKlaVa's Algorit
   ``o_proj``), averaged over the prompt's tokens and mapped from ``[−1, 1]`` to ``[0, 1]``;
 * **KV-cache importance** — ``1 −`` the mean head similarity over each GQA group (Alg. 1, step 2);
 * **layer similarity** (SqueezeAttention) — the token-mean cosine similarity between a decoder
-  layer's residual input and ``input + attention output`` (the residual after attention).
+  layer's residual input and ``input + attention output`` (the residual after attention);
+* **query filters** (Q-Filters) — per layer and KV head, the principal direction of the
+  post-RoPE queries the model really uses (:func:`query_directions`).
 
 With several prompts every value is the plain mean over the prompts (each prompt weighs the same;
 the paper does not say how it combines prompts); the per-prompt values are kept too, so the
@@ -16,6 +18,8 @@ the file holds no timestamps, so the same prompts give byte-identical JSON.
 
 Capture uses forward hooks on ``v_proj`` (output), ``o_proj`` (input), each decoder layer (input)
 and its ``self_attn`` (output), removed after the forward — no patching, any attention backend.
+The queries for the filters come from a second forward through kvbudget's own attention
+(:func:`capture_queries`), which hands over each layer's queries after the model's norms and RoPE.
 
 A profile records the model's config hash (:func:`config_hash`); :func:`load_profile` refuses a
 profile made for another model, and any corrupted or malformed file, with a :class:`ProfileError`.
@@ -250,6 +254,79 @@ def kv_importance(head_similarity: torch.Tensor, num_kv_heads: int) -> torch.Ten
     return 1.0 - head_similarity.reshape(layers, num_kv_heads, hq // num_kv_heads).mean(-1)
 
 
+class _QueryRecorder:
+    """Stands in for a compression session on a :class:`~kvbudget.cache.BudgetCache`: the kvbudget
+    attention hands it each layer's post-RoPE queries ``[1, q_heads, T, d]``; nothing is compressed."""
+
+    phase = "record"
+
+    class method:  # noqa: N801 - the attribute the cache and the attention read
+        stages: tuple[str, ...] = ()
+        edits_earlier_layers = False
+
+    def __init__(self) -> None:
+        self.queries: dict[int, torch.Tensor] = {}
+
+    def after_attention(self, layer_idx: int, query: torch.Tensor, *args: Any) -> None:
+        self.queries[layer_idx] = query.detach()
+
+
+@torch.inference_mode()
+def capture_queries(model: PreTrainedModel, ids: Sequence[int]) -> list[torch.Tensor]:
+    """Per layer, the queries the model's attention really uses (after its norms and RoPE) for
+    one prompt: ``[q_heads, T, d]`` each, in the model's dtype.
+
+    Runs one forward through kvbudget's attention with a full :class:`~kvbudget.cache.BudgetCache`
+    (the model is detached again afterwards if it was not attached before).
+    """
+    from kvbudget.attention import attached
+    from kvbudget.cache import BudgetCache
+
+    layers = len(decoder_layers(model))
+    recorder = _QueryRecorder()
+    cache = BudgetCache(layers, session=recorder)  # type: ignore[arg-type]
+    device = next(model.parameters()).device
+    with attached(model):
+        model(torch.tensor([list(ids)], device=device), past_key_values=cache, use_cache=True)
+    if sorted(recorder.queries) != list(range(layers)):
+        raise ProfileError("profiling captured no queries for some layer (unsupported model?)")
+    return [recorder.queries[i][0] for i in range(layers)]
+
+
+def query_directions(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Q-Filters' filter directions of one layer from its queries ``[q_heads, N, d]``.
+
+    Per query head: the first right singular vector ``v`` of the ``N × d`` query matrix (not
+    centred), oriented so that more than half of the queries project positively on it (the
+    authors' ``make_filters.py`` orients by the sign of the first left singular vector, the same
+    thing); then the mean over each GQA group's query heads (``repeat_kv`` order). Float64.
+
+    Returns:
+        ``[kv_heads, d]``: a key's projection on its head's direction estimates the attention
+        logit it gets from a typical query (the Q-Filters score, higher = keep).
+    """
+    hq, _, d = queries.shape
+    directions = torch.empty(hq, d, dtype=torch.float64)
+    for h in range(hq):
+        x = queries[h].double().cpu()
+        v = torch.linalg.svd(x, full_matrices=False).Vh[0]
+        positive = float((x @ v > 0).double().mean())
+        directions[h] = v if positive > 0.5 else -v
+    return directions.reshape(num_kv_heads, hq // num_kv_heads, d).mean(1)
+
+
+def measure_query_filters(model: PreTrainedModel, prompts: Sequence[ProfilePrompt]) -> torch.Tensor:
+    """Q-Filters' directions ``[layers, kv_heads, d]`` (float64) from all tokens of all ``prompts``
+    (every token's query of every prompt is one sample of the SVD; the authors sample 3000 tokens
+    of 2048-token web texts at random — here every token counts, so the result is deterministic)."""
+    _, hk, _ = _heads(model)
+    per_prompt = [capture_queries(model, p.ids) for p in prompts]
+    layers = len(per_prompt[0])
+    return torch.stack(
+        [query_directions(torch.cat([q[i] for q in per_prompt], dim=1), hk) for i in range(layers)]
+    )
+
+
 # ---------------------------------------------------------------------------- the profile
 def _rounded(t: torch.Tensor) -> list:
     return [_rounded(row) for row in t] if t.dim() > 1 else [round(float(x), DECIMALS) for x in t]
@@ -266,6 +343,9 @@ class Profile:
         head_similarity: ``[layers][q_heads]``; kv_importance: ``[layers][kv_heads]``;
         layer_similarity: ``[layers]`` (means over the prompts).
         per_prompt: per prompt, its ``head_similarity`` and ``layer_similarity``.
+        query_filters: ``[layers][kv_heads][head_dim]`` Q-Filters directions
+            (:func:`query_directions`), or ``None`` in a profile made before they were measured
+            (the model's ``head_dim`` is then absent too).
         tuned: parameter searches (``kvbudget tune``): ``tuned[method][ratio]`` with the grid and
             the best parameters.
         version: kvbudget version that measured it.
@@ -279,6 +359,7 @@ class Profile:
     per_prompt: list[dict[str, Any]]
     tuned: dict[str, Any] = field(default_factory=dict)
     version: str = ""
+    query_filters: list[list[list[float]]] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -291,6 +372,17 @@ class Profile:
     def importance(self) -> torch.Tensor:
         """``[layers, kv_heads]`` float64."""
         return torch.tensor(self.kv_importance, dtype=torch.float64)
+
+    def filters(self, source: str = "profile") -> torch.Tensor:
+        """Q-Filters directions ``[layers, kv_heads, head_dim]`` float64 (:class:`ProfileError` when the
+        profile predates them, naming the command that remakes it)."""
+        if self.query_filters is None:
+            name = self.model.get("name") or "MODEL"
+            raise ProfileError(
+                f"{source} has no query filters (made by an older kvbudget): run "
+                f"`kvbudget profile --model {name} --out NEW.json` and pass profile=NEW.json"
+            )
+        return torch.tensor(self.query_filters, dtype=torch.float64)
 
     def to_json(self) -> str:
         data = {
@@ -305,6 +397,8 @@ class Profile:
             "per_prompt": self.per_prompt,
             "tuned": self.tuned,
         }
+        if self.query_filters is not None:
+            data["query_filters"] = self.query_filters
         return json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     def check_model(self, model: PreTrainedModel, source: str = "profile") -> None:
@@ -321,10 +415,11 @@ class Profile:
 
 
 def build_profile(model: PreTrainedModel, prompts: Sequence[ProfilePrompt], name: str = "") -> Profile:
-    """Measure ``prompts`` on ``model`` (Algorithm 1) and assemble the profile."""
+    """Measure ``prompts`` on ``model`` (BaKlaVa's Algorithm 1, the layer similarities and the
+    Q-Filters directions) and assemble the profile."""
     if not prompts:
         raise InputError("profiling needs at least one prompt")
-    hq, hk, _ = _heads(model)
+    hq, hk, head_dim = _heads(model)
     per_prompt, heads, layers = [], [], []
     for prompt in prompts:
         head_sim, layer_sim = measure(model, prompt.ids)
@@ -347,6 +442,7 @@ def build_profile(model: PreTrainedModel, prompts: Sequence[ProfilePrompt], name
             "num_layers": len(decoder_layers(model)),
             "num_attention_heads": hq,
             "num_kv_heads": hk,
+            "head_dim": head_dim,
         },
         prompts=[p.record() for p in prompts],
         head_similarity=_rounded(head_mean),
@@ -354,6 +450,7 @@ def build_profile(model: PreTrainedModel, prompts: Sequence[ProfilePrompt], name
         layer_similarity=_rounded(torch.stack(layers).mean(0)),
         per_prompt=per_prompt,
         version=kvbudget_version(),
+        query_filters=_rounded(measure_query_filters(model, prompts)),
     )
 
 
@@ -385,10 +482,39 @@ def _matrix(data: dict, key: str, rows: int, cols: int | None, where: str) -> li
     return value
 
 
+def _query_filters(data: dict, model: dict, layers: int, kv_heads: int, where: str) -> list | None:
+    """The optional ``query_filters`` of a profile, validated: ``[layers][kv_heads][head_dim]``
+    finite numbers in ``[−1, 1]`` (means of unit vectors), ``head_dim`` from ``model``."""
+    value = data.get("query_filters")
+    if value is None:
+        return None
+    try:
+        head_dim = int(model["head_dim"])
+    except (TypeError, KeyError, ValueError):
+        raise ProfileError(f"{where}: 'query_filters' needs the model's head_dim") from None
+    shape = f"[{layers}][{kv_heads}][{head_dim}]"
+    rows = value if isinstance(value, list) and len(value) == layers else None
+    if rows is None or not all(
+        isinstance(heads, list) and len(heads) == kv_heads
+        and all(isinstance(vec, list) and len(vec) == head_dim for vec in heads)
+        for heads in rows
+    ):  # fmt: skip
+        raise ProfileError(f"{where}: 'query_filters' must be a list of shape {shape}")
+    for x in (x for heads in rows for vec in heads for x in vec):
+        if (
+            isinstance(x, bool)
+            or not isinstance(x, (int, float))
+            or not math.isfinite(x)
+            or abs(x) > 1 + 1e-6
+        ):
+            raise ProfileError(f"{where}: 'query_filters' holds {x!r}, not a number in [-1, 1]")
+    return value
+
+
 def profile_from_dict(data: Any, where: str = "profile") -> Profile:
     """Validate a parsed profile and build a :class:`Profile` (:class:`ProfileError` on any problem)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ProfileError(f"{where} is not a kvbudget profile (no \"format\": \"{FORMAT}\")")
+        raise ProfileError(f'{where} is not a kvbudget profile (no "format": "{FORMAT}")')
     if data.get("format_version") != FORMAT_VERSION:
         raise ProfileError(
             f"{where} has format version {data.get('format_version')!r}; this kvbudget reads {FORMAT_VERSION}"
@@ -413,6 +539,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
     return Profile(
         model=dict(model),
         prompts=prompts,
+        query_filters=_query_filters(data, model, layers, hk, where),
         head_similarity=_matrix(data, "head_similarity", layers, hq, where),
         kv_importance=_matrix(data, "kv_importance", layers, hk, where),
         layer_similarity=_matrix(data, "layer_similarity", layers, None, where),

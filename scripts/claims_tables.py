@@ -21,8 +21,11 @@ from pathlib import Path
 
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.paired import PairedDifference, paired_difference, row_column
+from kvbudget.eval.report import across_tasks
 from kvbudget.eval.store import load_rows
 
+#: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard.md).
+BEYOND_BUDGET = ("asl-fullkv", "pyramidinfer")
 HARD = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "kv_retrieval")
 
 
@@ -213,10 +216,51 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
         lines = pairs_table(ppl, ppl_pairs, min_samples=8, scale=1.0)
         out["baklava-perplexity"] = [line.replace(profile, " (tuned)") for line in lines]
 
+    for ratio in (0.875, 0.75, 0.5, 0.25):
+        out[f"leaderboard-{ratio:g}"] = leaderboard_table(rows, ratio)
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-overhead"] = laq_overhead(rows)
     return out
+
+
+def leaderboard_table(rows: list[dict], ratio: float) -> list[str]:
+    """Every label at ``ratio`` on the tasks where all of them (and the full cache) have
+    ``MIN_SAMPLES`` samples: mean over tasks ×100 with its stratified interval, then each task's mean."""
+    column = ("r", ratio)
+    mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
+    labels = sorted({r["label"] for r in mine if row_column(r) == column})
+    counts = Counter((r["task"], r["label"]) for r in mine)
+    tasks = sorted(
+        t for t in {r["task"] for r in mine if row_column(r) == column}
+        if all(counts[(t, label)] >= MIN_SAMPLES for label in [*labels, "full"])
+    )  # fmt: skip
+    if not tasks:
+        return [f"(no task finished at r={ratio:g} yet)"]
+    summary = across_tasks([r for r in mine if r["task"] in tasks], resamples=2000)
+    cell = summary.scores[column]
+    order = sorted(cell, key=lambda label: -cell[label].mean)
+    lines = [
+        "| method | mean [95% CI] | mean rank | " + " | ".join(tasks) + " |",
+        "|---|---|---|" + "---|" * len(tasks),
+    ]
+    for label in order:
+        iv = cell[label]
+        per_task = [
+            statistics.mean(r["score"] for r in mine if r["task"] == t and r["label"] == label
+                            and (row_column(r) == column or label in summary.reference))
+            for t in tasks
+        ]  # fmt: skip
+        rank = summary.ranks[column].get(label)
+        mark = " ¹" if label in BEYOND_BUDGET else ""
+        lines.append(
+            f"| {label}{mark} | {_pct(iv.mean)} [{_pct(iv.low)}, {_pct(iv.high)}] | "
+            + ("–" if rank is None else f"{rank:.1f}")
+            + " | "
+            + " | ".join(f"{100 * v:.0f}" for v in per_task)
+            + " |"
+        )
+    return lines
 
 
 def update(path: Path, tables: dict[str, list[str]]) -> list[str]:
@@ -245,12 +289,14 @@ def main() -> None:
     parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
     parser.add_argument("--dtype-check", type=Path, default=Path("results/dtype-check"))
     parser.add_argument(
-        "--update", type=Path, default=None, help="rewrite the tables of this file (docs/claims.md)"
-    )
+        "--update", type=Path, action="append", default=None,
+        help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard.md)",
+    )  # fmt: skip
     args = parser.parse_args()
     tables = blocks(args)
     if args.update is not None:
-        print("updated: " + ", ".join(update(args.update, tables)))
+        for path in args.update:
+            print(f"{path}: " + ", ".join(update(path, tables)))
         return
     for name, lines in tables.items():
         print(f"<!-- claims:{name} -->\n" + "\n".join(lines) + f"\n<!-- /claims:{name} -->\n")

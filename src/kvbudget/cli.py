@@ -115,10 +115,13 @@ def methods() -> None:
 
     table = Table(title="kvbudget methods")
     for column in ("name", "stages", "paper", "defaults"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "name")
     for name, cls in REGISTRY.items():
         method = cls()
-        defaults = ", ".join(f"{k}={v}" for k, v in method.options().items())
+        defaults = ", ".join(  # texts with line breaks (KVzip's requests) shown escaped
+            f"{k}={v!r}" if isinstance(v, str) and not v.isprintable() else f"{k}={v}"
+            for k, v in method.options().items()
+        )
         table.add_row(name, "+".join(cls.stages) or "-", cls.paper, defaults)
     console.print(table)
     from kvbudget.models import ARCHITECTURES
@@ -465,13 +468,41 @@ def tune(
     r: Annotated[list[str] | None, typer.Option(help="Reduction values (default 0.2,0.4,0.6,0.8).")] = None,
     p: Annotated[list[str] | None, typer.Option(help="SqueezeAttention p values.")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    device: Annotated[
+        str, typer.Option(help="Where the Ray workers run the model: cpu, cuda[:index] or auto.")
+    ] = "auto",
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Run the grid on Ray with this many worker actors (a local cluster unless --ray-address)."
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Join a running Ray cluster (auto or host:port) instead of starting one."),
+    ] = None,
+    gpus_per_worker: Annotated[float, typer.Option(help="GPUs each Ray worker requests.")] = 0.0,
+    threads_per_worker: Annotated[int, typer.Option(help="CPUs (torch threads) per Ray worker.")] = 1,
 ) -> None:
-    """Algorithm 3: grid search by perplexity; writes the best parameters into the profile (resumable)."""
+    """Algorithm 3: grid search by perplexity; writes the best parameters into the profile (resumable).
+
+    With --workers or --ray-address the grid points × passages run on Ray actors (docs/distributed.md);
+    the profile gets the same grid and best point as from a local search."""
     from kvbudget.models import load_model
     from kvbudget.profiles import default_profile_path, load_profile
     from kvbudget.tuning import TUNABLE, default_grid
     from kvbudget.tuning import tune as run_tune
 
+    options = None
+    if workers is not None or ray_address is not None:  # before anything else: Ray is an optional extra
+        from kvbudget.eval.distributed import RayOptions, require_ray
+
+        require_ray()
+        options = RayOptions(
+            workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker,
+            threads_per_worker=threads_per_worker, device=device,
+        )  # fmt: skip
+        options.validate()
     if method not in TUNABLE:
         raise KVBudgetError(f"cannot tune '{method}': tunable methods are {', '.join(TUNABLE)}")
     if not 0.0 < ratio < 1.0:
@@ -493,7 +524,7 @@ def tune(
     grid.update({name: values for name, values in given.items() if values})
     entry = run_tune(
         lm, tokenizer, path, method=method, ratio=ratio, length=length, num_passages=passages, seed=seed,
-        chunk=chunk, grid=grid,
+        chunk=chunk, grid=grid, distributed=options, model_source=model, dtype=dtype,
     )  # fmt: skip
     best = entry["best"]
     params = ", ".join(f"{k}={v}" for k, v in best.items() if k not in ("nll", "perplexity"))

@@ -11,6 +11,13 @@ point with the lowest mean NLL wins. Results go into the profile JSON (``tuned[m
 every grid point, so an interrupted search resumes where it stopped (points already measured with
 the same settings are skipped; an entry stored under other settings, or before the ratio was pinned
 and BaKlaVa's Algorithm 2 ran inside each layer — no ``lookup_ratio`` — is measured again).
+
+With ``distributed`` (:class:`~kvbudget.eval.distributed.RayOptions`) the grid points × passages
+run on Ray worker actors (:class:`~kvbudget.eval.distributed.RayPool`, the pool of ``kvbudget eval
+--workers``), each loading the model once and measuring one passage at one grid point at a time;
+the driver alone writes the profile, after each grid point whose passages are all back, summing a
+point's passages in the same order as the local loop, so the stored grid and best point are those
+of a local search (the grid's rows are kept in grid order whatever order the points finish in).
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import tempfile
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +40,9 @@ from kvbudget.errors import InputError
 from kvbudget.eval.tasks.perplexity import _austen_ids, chunked_perplexity, make_samples
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import Profile, load_profile, save_profile
+
+if TYPE_CHECKING:
+    from kvbudget.eval.distributed import RayOptions
 
 TUNABLE = {"baklava": ("t", "r"), "baklava-snapkv": ("t", "r"), "squeezeattention": ("p",)}
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -74,11 +87,24 @@ def tune(
     grid: dict[str, Sequence[float]] | None = None,
     texts: list[torch.Tensor] | None = None,
     progress: bool = True,
+    distributed: RayOptions | None = None,
+    model_source: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Run (or resume) the grid search; returns and stores ``tuned[method][ratio]``.
 
-    ``texts`` replaces the Austen passages (each ``[1, length]``), e.g. for tests.
+    ``texts`` replaces the Austen passages (each ``[1, length]``), e.g. for tests. ``distributed``
+    runs the grid on Ray workers that load ``model_source`` (what ``model`` was loaded from: a
+    registry name or a folder every node sees) in ``dtype``; ``model`` and ``tokenizer`` then serve
+    the driver only (the profile's check and the passages).
     """
+    if distributed is not None:
+        from kvbudget.eval.distributed import require_ray
+
+        distributed.validate()
+        require_ray()
+        if model_source is None:
+            raise InputError("a distributed tune needs model_source: what the workers load the model from")
     if method not in TUNABLE:
         raise InputError(f"cannot tune '{method}': tunable methods are {', '.join(TUNABLE)}")
     if not 0.0 < ratio < 1.0:
@@ -107,18 +133,29 @@ def tune(
         total=len(points), initial=len(points) - len(todo), desc=f"tune {method} @ {key}",
         disable=not progress,
     )  # fmt: skip
-    for point in todo:
-        method_obj = make_method(method, profile=str(path), **point)
+
+    def record(point: dict[str, float], results: Sequence[tuple[float, int]]) -> None:
+        """A point's mean NLL over its passages ``(nll, tokens)`` in passage order, saved at once."""
         nll, tokens = 0.0, 0
-        for ids in texts:
-            result = chunked_perplexity(model, ids, method_obj, budget, chunk=chunk, ratio=ratio)
-            nll += result.nll * result.tokens
-            tokens += result.tokens
+        for passage_nll, passage_tokens in results:
+            nll += passage_nll * passage_tokens
+            tokens += passage_tokens
         mean = nll / tokens
         entry["grid"].append({**point, "nll": round(mean, 6), "perplexity": round(math.exp(mean), 4)})
         _finish(entry, points, names)
         save_profile(profile, path)
         bar.update(1)
+
+    if distributed is not None and todo:
+        config = {"method": method, "budget": budget, "chunk": chunk, "ratio": ratio}
+        _tune_on_ray(distributed, str(model_source), dtype, path, config, todo, texts, record)
+    for point in [] if distributed is not None else todo:
+        method_obj = make_method(method, profile=str(path), **point)
+        results = []
+        for ids in texts:
+            result = chunked_perplexity(model, ids, method_obj, budget, chunk=chunk, ratio=ratio)
+            results.append((result.nll, result.tokens))
+        record(point, results)
     bar.close()
     _finish(entry, points, names)
     save_profile(profile, path)
@@ -126,7 +163,96 @@ def tune(
 
 
 def _finish(entry: dict[str, Any], points: list[dict[str, float]], names: Sequence[str]) -> None:
-    """Best point so far (lowest NLL, the earlier point on ties) and whether the grid is complete."""
+    """Best point so far (lowest NLL, the earlier point on ties) and whether the grid is complete; the
+    grid's rows in grid order (a distributed search measures its points in any order)."""
+    order = {tuple(p[n] for n in names): i for i, p in enumerate(points)}
+    entry["grid"].sort(key=lambda row: order.get(tuple(row[n] for n in names), len(order)))
     measured = {tuple(row[n] for n in names) for row in entry["grid"]}
     entry["best"] = min(entry["grid"], key=lambda row: row["nll"]) if entry["grid"] else None
     entry["complete"] = all(tuple(p[n] for n in names) in measured for p in points)
+
+
+class PerplexityWorker:
+    """A tuning worker actor: the model, loaded once, and the profile as the driver read it (written
+    to the worker's own file, so the workers need not see the driver's disk)."""
+
+    def __init__(self, model_source: str, dtype: str, device: str, threads: int, profile_json: str) -> None:
+        from kvbudget.models import load_model
+
+        torch.set_num_threads(threads)
+        self.model, _ = load_model(model_source, dtype=dtype, device=device)
+        self._folder = tempfile.TemporaryDirectory(prefix="kvbudget-tune-")  # removed with the worker
+        self.profile_path = str(Path(self._folder.name) / "profile.json")
+        Path(self.profile_path).write_text(profile_json, encoding="utf-8")
+
+    def run(self, config: dict[str, Any], point: dict[str, float], ids: list[int]) -> tuple[float, int]:
+        """One passage ``ids`` (its tokens) at one grid point: its mean NLL and scored tokens."""
+        method_obj = make_method(config["method"], profile=self.profile_path, **point)
+        tokens = torch.tensor([ids], device=self.model.device)
+        result = chunked_perplexity(
+            self.model, tokens, method_obj, config["budget"], chunk=config["chunk"], ratio=config["ratio"]
+        )
+        return result.nll, result.tokens
+
+
+@dataclass
+class _Job:
+    """One passage at one grid point; ``attempts``: how many workers died measuring it."""
+
+    point: int
+    passage: int
+    attempts: int = 0
+    causes: list[str] = field(default_factory=list)
+
+
+def _tune_on_ray(
+    options: RayOptions,
+    model_source: str,
+    dtype: str,
+    path: Path,
+    config: dict[str, Any],
+    todo: list[dict[str, float]],
+    texts: list[torch.Tensor],
+    record: Any,
+) -> None:
+    """Measure ``todo`` × ``texts`` on Ray workers; ``record(point, results)`` as each point completes.
+
+    A passage whose worker died is measured again (:class:`~kvbudget.eval.distributed.RayPool`); one
+    that fails by itself, or whose workers died too often, stops the search with its error once the
+    workers are stopped (the points recorded so far stay in the profile: rerun to resume)."""
+    from kvbudget.eval.distributed import RayPool
+
+    source = str(Path(model_source).resolve()) if Path(model_source).exists() else model_source
+    profile_json = path.read_text(encoding="utf-8")
+    pool = RayPool(
+        options, PerplexityWorker, (source, dtype, options.device, options.threads_per_worker, profile_json)
+    )
+    passages_ids = [t[0].tolist() for t in texts]
+    results: list[dict[int, tuple[float, int]]] = [{} for _ in todo]
+    errors: list[BaseException] = []
+    queue = deque(_Job(i, j) for i in range(len(todo)) for j in range(len(texts)))
+
+    def done(job: _Job, result: tuple[float, int]) -> None:
+        results[job.point][job.passage] = (float(result[0]), int(result[1]))
+        if len(results[job.point]) == len(texts):
+            record(todo[job.point], [results[job.point][j] for j in range(len(texts))])
+
+    def failed(job: _Job, err: BaseException) -> None:
+        errors.append(err)
+        queue.clear()  # nothing more is handed out; the units in flight finish
+
+    try:
+        pool.start()
+        pool.dispatch(
+            queue,
+            submit=lambda worker, job: worker.run.remote(config, todo[job.point], passages_ids[job.passage]),
+            done=done,
+            failed=failed,
+            gave_up=failed,
+            what="passage",
+            resume=f"the points measured so far are saved in {path}: rerun to resume",
+        )
+    finally:
+        pool.stop()
+    if errors:
+        raise errors[0]

@@ -29,6 +29,7 @@ import json
 import math
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,30 +155,38 @@ def _one_line(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
-class RayEval:
-    """A distributed run of an :class:`EvalConfig` into ``out/results.jsonl``.
+class RayPool:
+    """Ray actors of one class, each loaded once, and a queue of units handed to idle actors.
 
-    ``workers`` holds the live actor handles while :meth:`run` runs (e.g. to watch or kill one);
-    ``retried`` counts samples handed out again after their worker died, ``replaced`` the workers
-    started in place of dead ones.
+    Shared by the distributed evaluation (:class:`RayEval`, one sample per unit) and the distributed
+    perplexity grid of ``kvbudget tune`` (:func:`kvbudget.tuning.tune`, one grid point and passage
+    per unit). ``actor`` is the actor's class and ``args`` its constructor's arguments. A unit is any
+    object with ``attempts`` and ``causes`` fields (:class:`Unit`); the caller says how one is sent
+    (``submit``) and what becomes of its result, its own failure, or too many worker deaths.
+
+    ``workers`` holds the live actor handles while :meth:`dispatch` runs (e.g. to watch or kill
+    one); ``retried`` counts units handed out again after their worker died, ``replaced`` the
+    workers started in place of dead ones.
     """
 
-    def __init__(self, config: EvalConfig, out: Path, options: RayOptions, progress: bool = True) -> None:
+    def __init__(self, options: RayOptions, actor: type, args: tuple[Any, ...]) -> None:
         options.validate()
         self.ray = require_ray()
         self.options = options
-        self.out = Path(out)
-        self.progress = progress
-        self.out.mkdir(parents=True, exist_ok=True)
-        # validates the grid and opens (and repairs) the results file; no model in the driver
-        self.driver = Runner(config, self.out, progress=progress, load=False)
-        self.config = self.driver.config
+        self.actor = actor
+        self.args = args
         self.workers: list[Any] = []
         self.retried = 0
         self.replaced = 0
         self._started_ray = False
 
-    # ------------------------------------------------------------------ cluster
+    def start(self) -> int:
+        """Join or start the cluster and start the workers; returns how many."""
+        self._connect()
+        count = self._worker_count()
+        self.workers = [self.start_worker() for _ in range(count)]
+        return count
+
     def _connect(self) -> None:
         ray, opts = self.ray, self.options
         if ray.is_initialized():
@@ -211,15 +220,20 @@ class RayEval:
             )
         return workers
 
-    def _start_worker(self) -> Any:
+    def start_worker(self) -> Any:
         opts = self.options
-        model = self.config.model
-        source = str(Path(model).resolve()) if Path(model).exists() else model
-        actor = self.ray.remote(SampleWorker).options(
+        actor = self.ray.remote(self.actor).options(
             num_cpus=opts.threads_per_worker, num_gpus=opts.gpus_per_worker, max_restarts=0,
             max_task_retries=0, runtime_env=opts.runtime_env,
         )  # fmt: skip
-        return actor.remote(asdict(self.config), source, opts.device, opts.threads_per_worker)
+        return actor.remote(*self.args)
+
+    def first(self, call: Callable[[Any], Any]) -> Any:
+        """``call(worker)``'s result on the first worker (e.g. its tokenizer), waiting for it to load."""
+        try:
+            return self.ray.get(call(self.workers[0]))
+        except self.ray.exceptions.RayError as err:
+            raise KVBudgetError(f"a Ray worker could not start: {_one_line(err)}") from None
 
     def _kill(self, worker: Any) -> None:
         try:
@@ -227,13 +241,106 @@ class RayEval:
         except Exception:  # already gone
             pass
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Kill the workers, and stop the cluster when :meth:`start` started it."""
         for worker in self.workers:
             self._kill(worker)
         self.workers = []
         if self._started_ray:
             self.ray.shutdown()
             self._started_ray = False
+
+    def dispatch(
+        self,
+        queue: deque[Any],
+        submit: Callable[[Any, Any], Any],
+        done: Callable[[Any, Any], None],
+        failed: Callable[[Any, BaseException], None],
+        gave_up: Callable[[Any, BaseException], None],
+        what: str = "unit",
+        resume: str = "rerun to resume",
+        bar: tqdm | None = None,
+    ) -> None:
+        """Run every unit of ``queue``: ``submit(worker, unit)`` returns the Ray reference of its
+        result, handed to ``done(unit, result)``; a unit whose code raised goes to ``failed(unit,
+        cause)``; one whose worker died goes back to the front of the queue, at most
+        ``options.max_retries`` times, then to ``gave_up(unit, cause)``. ``what`` names a unit in
+        that cause, ``resume`` ends the error raised when every worker died."""
+        ray = self.ray
+        idle = list(self.workers)
+        in_flight: dict[Any, tuple[Any, Any]] = {}
+        replacements = len(self.workers) * max(1, self.options.max_retries)
+        while queue or in_flight:
+            while idle and queue:
+                worker, unit = idle.pop(0), queue.popleft()
+                in_flight[submit(worker, unit)] = (worker, unit)
+            if not in_flight:
+                raise KVBudgetError(f"every Ray worker died ({self.replaced} replaced); {resume}")
+            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            worker, unit = in_flight.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:  # the unit's own code raised
+                idle.append(worker)
+                failed(unit, getattr(err, "cause", None) or err)
+                continue
+            except ray.exceptions.RayError as err:  # the worker died: its unit goes back in the queue
+                unit.attempts += 1
+                unit.causes.append(_one_line(err))
+                self.workers = [w for w in self.workers if w is not worker]
+                self._kill(worker)  # in case it is only unreachable
+                if unit.attempts > self.options.max_retries:
+                    cause = f"the Ray worker died {unit.attempts} times running this {what}"
+                    gave_up(unit, RuntimeError(f"{cause} ({unit.causes[-1]})"))
+                else:
+                    self.retried += 1
+                    queue.appendleft(unit)
+                if (queue or in_flight) and self.replaced < replacements:
+                    self.replaced += 1
+                    fresh = self.start_worker()
+                    self.workers.append(fresh)
+                    idle.append(fresh)
+                if bar is not None:
+                    bar.set_postfix(retried=self.retried, replaced=self.replaced)
+                continue
+            done(unit, result)
+            idle.append(worker)
+
+
+class RayEval:
+    """A distributed run of an :class:`EvalConfig` into ``out/results.jsonl``.
+
+    ``workers`` holds the live actor handles while :meth:`run` runs (e.g. to watch or kill one);
+    ``retried`` counts samples handed out again after their worker died, ``replaced`` the workers
+    started in place of dead ones (:class:`RayPool`).
+    """
+
+    def __init__(self, config: EvalConfig, out: Path, options: RayOptions, progress: bool = True) -> None:
+        options.validate()
+        require_ray()
+        self.options = options
+        self.out = Path(out)
+        self.progress = progress
+        self.out.mkdir(parents=True, exist_ok=True)
+        # validates the grid and opens (and repairs) the results file; no model in the driver
+        self.driver = Runner(config, self.out, progress=progress, load=False)
+        self.config = self.driver.config
+        model = self.config.model
+        source = str(Path(model).resolve()) if Path(model).exists() else model
+        args = (asdict(self.config), source, options.device, options.threads_per_worker)
+        self.pool = RayPool(options, SampleWorker, args)
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.pool.workers
+
+    @property
+    def retried(self) -> int:
+        return self.pool.retried
+
+    @property
+    def replaced(self) -> int:
+        return self.pool.replaced
 
     # ------------------------------------------------------------------ grid
     def _units(self) -> list[Unit]:
@@ -245,7 +352,7 @@ class RayEval:
                 units.append(Unit(task.name, length, index, sample, pending))
         return units
 
-    def _write(self, unit: Unit, rows: list[dict[str, Any]], bar: tqdm) -> None:
+    def _write(self, rows: list[dict[str, Any]], bar: tqdm) -> None:
         written = self.driver.store.keys
         for row in rows:
             if row["key"] not in written:  # never twice, whatever a worker sends
@@ -265,73 +372,31 @@ class RayEval:
     # ------------------------------------------------------------------ run
     def run(self) -> Path:
         """Run every missing row; returns the results path. Rows already in the file are skipped."""
-        ray = self.ray
         (self.out / "config.json").write_text(json.dumps(asdict(self.config), indent=2), encoding="utf-8")
-        self._connect()
         try:
-            count = self._worker_count()
-            self.workers = [self._start_worker() for _ in range(count)]
-            try:  # the first worker to load gives the driver the tokenizer the samples are cut with
-                self.driver.tokenizer = ray.get(self.workers[0].tokenizer.remote())
-            except ray.exceptions.RayError as err:
-                raise KVBudgetError(f"a Ray worker could not start: {_one_line(err)}") from None
+            count = self.pool.start()
+            # the first worker to load gives the driver the tokenizer the samples are cut with
+            self.driver.tokenizer = self.pool.first(lambda worker: worker.tokenizer.remote())
             queue = deque(self._units())
             total = sum(len(u.pending) for u in queue)
             bar = tqdm(
                 total=total, disable=not self.progress, desc=f"eval ×{count} workers", unit="run",
                 dynamic_ncols=True,
             )  # fmt: skip
-            self._dispatch(queue, bar, count)
+            self.pool.dispatch(
+                queue,
+                submit=lambda worker, u: worker.run.remote(u.task, u.length, u.index, u.sample, u.pending),
+                done=lambda unit, rows: self._write(rows, bar),
+                failed=lambda unit, err: self._write(self._error_rows(unit, err), bar),
+                gave_up=lambda unit, err: self._write(self._error_rows(unit, err), bar),
+                what="sample",
+                resume=f"the rows so far are in {self.driver.store.path}: rerun to resume",
+                bar=bar,
+            )
             bar.close()
         finally:
-            self._stop()
+            self.pool.stop()
         return self.driver.store.path
-
-    def _dispatch(self, queue: deque[Unit], bar: tqdm, count: int) -> None:
-        ray = self.ray
-        idle = list(self.workers)
-        in_flight: dict[Any, tuple[Any, Unit]] = {}
-        replacements = count * max(1, self.options.max_retries)
-        while queue or in_flight:
-            while idle and queue:
-                worker, unit = idle.pop(0), queue.popleft()
-                ref = worker.run.remote(unit.task, unit.length, unit.index, unit.sample, unit.pending)
-                in_flight[ref] = (worker, unit)
-            if not in_flight:
-                raise KVBudgetError(
-                    f"every Ray worker died ({self.replaced} replaced); the rows so far are in "
-                    f"{self.driver.store.path}: rerun to resume"
-                )
-            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
-            worker, unit = in_flight.pop(ref)
-            try:
-                rows = ray.get(ref)
-            except ray.exceptions.RayTaskError as err:  # the sample's own code raised past run_sample
-                self._write(unit, self._error_rows(unit, getattr(err, "cause", None) or err), bar)
-                idle.append(worker)
-                continue
-            except ray.exceptions.RayError as err:  # the worker died: its sample goes back in the queue
-                unit.attempts += 1
-                unit.causes.append(_one_line(err))
-                self.workers = [w for w in self.workers if w is not worker]
-                self._kill(worker)  # in case it is only unreachable
-                if unit.attempts > self.options.max_retries:
-                    cause = RuntimeError(
-                        f"the Ray worker died {unit.attempts} times running this sample ({unit.causes[-1]})"
-                    )
-                    self._write(unit, self._error_rows(unit, cause), bar)
-                else:
-                    self.retried += 1
-                    queue.appendleft(unit)
-                if (queue or in_flight) and self.replaced < replacements:
-                    self.replaced += 1
-                    fresh = self._start_worker()
-                    self.workers.append(fresh)
-                    idle.append(fresh)
-                bar.set_postfix(retried=self.retried, replaced=self.replaced)
-                continue
-            self._write(unit, rows, bar)
-            idle.append(worker)
 
 
 def run_eval_distributed(

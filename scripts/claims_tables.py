@@ -133,13 +133,10 @@ def laq_overhead(rows: list[dict]) -> list[str]:
 
 
 def asl_ttft(path: Path) -> list[str]:
-    """TTFT of each method relative to the full cache's, per length, from `kvbudget bench`."""
-    data = json.loads((path / "bench.json").read_text(encoding="utf-8"))
-    records = data["records"] if isinstance(data, dict) else data
-    ttft: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for rec in records:
-        if rec.get("ttft_s") is not None:
-            ttft[(rec["method"], rec["length"])].append(rec["ttft_s"])
+    """TTFT of each method relative to the full cache's, per length, from `kvbudget bench`'s
+    bench.json (medians over the repeats, min–max in brackets)."""
+    rows = json.loads((path / "bench.json").read_text(encoding="utf-8"))["rows"]
+    ttft = {(r["method"], r["length"]): r for r in rows if r.get("ttft_s") is not None}
     lengths = sorted({length for _, length in ttft})
     methods = list(dict.fromkeys(m for m, _ in ttft))
     lines = [
@@ -149,13 +146,14 @@ def asl_ttft(path: Path) -> list[str]:
     for m in methods:
         cells = []
         for n in lengths:
-            full = ttft.get(("full", n))
-            mine = ttft.get((m, n))
-            if not full or not mine:
+            full, mine = ttft.get(("full", n)), ttft.get((m, n))
+            if full is None or mine is None:
                 cells.append("–")
                 continue
-            ratio = statistics.median(mine) / statistics.median(full)
-            cells.append(f"{statistics.median(mine):.2f} s ({ratio:.2f}×)")
+            low, high = mine["ttft_s_spread"]
+            cells.append(
+                f"{mine['ttft_s']:.2f} s [{low:.2f}, {high:.2f}] ({mine['ttft_s'] / full['ttft_s']:.2f}×)"
+            )
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 

@@ -56,9 +56,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 #: ablations: which half of each merge is kept (the other is restored to the pre-merge entries)
 PARTS = {"d2o-keys-only": "keys", "d2o-values-only": "values"}
-DEFAULT_VARIANTS = (
-    "d2o-nomerge,d2o,h2o,d2o-heavy,d2o-authors-weighting,d2o-authors-decision,d2o-fixed-0.9"
-)
+DEFAULT_VARIANTS = "d2o-nomerge,d2o,h2o,d2o-heavy,d2o-authors-weighting,d2o-authors-decision,d2o-fixed-0.9"
 REFERENCE = "d2o-nomerge"
 LAYER_COLUMNS = ("merges_per_kept", "merge_rate", "share_sink", "share_heavy", "share_recent", "dk_rel",
                  "k_norm_ratio", "dv_rel", "best_sim", "k_cos_merged", "v_cos_merged")  # fmt: skip

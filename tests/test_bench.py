@@ -332,11 +332,21 @@ def test_peer_wall_ratio_run_by_run_has_an_error_and_a_verdict() -> None:
     ours, theirs = _timed_rows("ours", rng, 4), _timed_rows("kvpress", rng, 4)
     for r in theirs:  # kvpress ≈ 1.5 × slower on snapkv, the same on full (up to noise)
         if r["method"] == "snapkv":
-            r["wall_s"] = 1.5 * next(o["wall_s"] for o in ours if (o["sample"], o["method"], o["repeat"])
-                                     == (r["sample"], r["method"], r["repeat"])) * rng.uniform(0.97, 1.03)
+            r["wall_s"] = (
+                1.5
+                * next(
+                    o["wall_s"]
+                    for o in ours
+                    if (o["sample"], o["method"], o["repeat"]) == (r["sample"], r["method"], r["repeat"])
+                )
+                * rng.uniform(0.97, 1.03)
+            )
         else:
-            r["wall_s"] = next(o["wall_s"] for o in ours if (o["sample"], o["method"], o["repeat"])
-                               == (r["sample"], r["method"], r["repeat"])) * rng.uniform(0.9, 1.1)
+            r["wall_s"] = next(
+                o["wall_s"]
+                for o in ours
+                if (o["sample"], o["method"], o["repeat"]) == (r["sample"], r["method"], r["repeat"])
+            ) * rng.uniform(0.9, 1.1)
     pairs = run_pairs(ours, theirs)
     assert set(pairs) == {(f"s{i}", m, b) for i in (0, 1) for m, b in (("full", None), ("snapkv", 64))}
     snap = [p for key, group in pairs.items() if key[1] == "snapkv" for p in group]
@@ -364,7 +374,11 @@ def test_peer_wall_ratio_run_by_run_has_an_error_and_a_verdict() -> None:
 def test_peer_jobs_run_full_once_without_a_budget_and_last() -> None:
     jobs = make_jobs(PeerConfig(methods=["full", "snapkv", "knorm"], budgets=[64, 128], question_aware=True))
     assert [(j["method"], j["budget"]) for j in jobs] == [
-        ("snapkv", 64), ("snapkv", 128), ("knorm", 64), ("knorm", 128), ("full", None)
+        ("snapkv", 64),
+        ("snapkv", 128),
+        ("knorm", 64),
+        ("knorm", 128),
+        ("full", None),
     ]
     assert jobs[-1]["press"] is None and all(j["question_aware"] for j in jobs)
     with pytest.raises(KVBudgetError, match="repeats"):

@@ -267,8 +267,10 @@ def test_d2o_prefill_and_decode_match_the_reference(name):
     # one decode step on layer 0: scores accumulate the new query's attention over the stored
     # (merged) keys; the lowest-scored non-protected entry is evicted and merged under τ_1
     g = torch.Generator().manual_seed(5)
-    k1, v1, q1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g), torch.randn(
-        1, HQ, 1, D, generator=g
+    k1, v1, q1 = (
+        torch.randn(1, H, 1, D, generator=g),
+        torch.randn(1, H, 1, D, generator=g),
+        torch.randn(1, HQ, 1, D, generator=g),
     )
     layer = layers[0]
     before_k = [layer.head(h)[0][0].double().numpy() for h in range(H)]

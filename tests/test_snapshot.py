@@ -83,8 +83,9 @@ def test_derived_runs_share_the_snapshots_attention_statistics(llama, chat_token
     second, *_ = derive(llama, snapshot, small("d2o"), budget=30)
     assert once > 0 and calls["n"] == once  # the second budget reused every layer's column sums
     alone = CompressionSession(small("d2o"), llama.config.num_hidden_layers, budget=30)
-    cache, *_ = kvbudget.engine.prefill(llama, [build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])],
-                                        alone, 0)
+    cache, *_ = kvbudget.engine.prefill(
+        llama, [build_prompt(chat_tokenizer, CONTEXTS[0], QUESTIONS[0])], alone, 0
+    )
     assert _layers_equal(second, cache)
 
 

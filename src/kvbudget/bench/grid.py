@@ -74,8 +74,17 @@ class BenchConfig:
                     for budget in budgets:
                         out.append(
                             MeasureSpec(
-                                self.model, method, length, budget, self.new_tokens, self.dtype,
-                                self.task, self.seed, repeat, self.batch, self.device,
+                                self.model,
+                                method,
+                                length,
+                                budget,
+                                self.new_tokens,
+                                self.dtype,
+                                self.task,
+                                self.seed,
+                                repeat,
+                                self.batch,
+                                self.device,
                             )  # fmt: skip
                         )
         return out

@@ -59,12 +59,16 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "streamingllm": ("streamingllm:sinks=4", {"press": "StreamingLLMPress", "kwargs": {"n_sink": 4}}),
     "knorm": ("knorm", {"press": "KnormPress"}),
     "pyramidkv": (
-        f"pyramidkv:{_OUR_SNAP},beta=20", {"press": "PyramidKVPress", "kwargs": {**_SNAP, "beta": 20}}
+        f"pyramidkv:{_OUR_SNAP},beta=20",
+        {"press": "PyramidKVPress", "kwargs": {**_SNAP, "beta": 20}},
     ),
     "ada-snapkv": (
         f"ada-snapkv:{_OUR_SNAP},floor_alpha=0.2",
-        {"press": "AdaKVPress", "inner": {"press": "SnapKVPress", "kwargs": _SNAP},
-         "kwargs": {"alpha_safeguard": 0.2}},
+        {
+            "press": "AdaKVPress",
+            "inner": {"press": "SnapKVPress", "kwargs": _SNAP},
+            "kwargs": {"alpha_safeguard": 0.2},
+        },
     ),  # fmt: skip
     "tova": ("tova", {"press": "TOVAPress"}),
     "h2o": ("h2o:heavy_fraction=1.0", {"press": "ObservedAttentionPress", "attn": "eager"}),
@@ -467,8 +471,11 @@ def markdown(
         f"{', '.join(map(str, config.lengths))}; {config.limit} samples each; "
         f"{'question-aware' if config.question_aware else 'question-agnostic'}, compression "
         f"in the prefill only, greedy; {config.repeats} repeat(s), "
-        + ("interleaved run by run (the side that goes first alternates)" if config.interleave
-           else "sides alternating in whole passes (kvpress first)")
+        + (
+            "interleaved run by run (the side that goes first alternates)"
+            if config.interleave
+            else "sides alternating in whole passes (kvpress first)"
+        )
         + f". {versions}.",
         "",
         "Seconds are sums over the n samples of each sample's median over the repeats; ratio = "
@@ -510,7 +517,8 @@ def markdown(
         lines += [f"- {label}: {paired(stats)}" for label, stats in pooled.items()]
     unstable = [
         f"{r['method']}@{r['budget']} ({r['task']} {r['length']}, "
-        + " and ".join(s for s in ("ours", "kvpress") if not r[f"{s}_deterministic"]) + ")"
+        + " and ".join(s for s in ("ours", "kvpress") if not r[f"{s}_deterministic"])
+        + ")"
         for r in sorted(rows, key=_row_order)
         if not (r["ours_deterministic"] and r["kvpress_deterministic"])
     ]

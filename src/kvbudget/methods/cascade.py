@@ -351,8 +351,7 @@ class LayerwiseMethod(Method):
         per_head = layer.head_lengths().cpu()
         reduce = torch.sum if self.selection_order() == "flat" else torch.amax
         return [
-            0 if rp is None else int(reduce(per_head[r] - rp.protected, dim=-1))
-            for r, rp in enumerate(rows)
+            0 if rp is None else int(reduce(per_head[r] - rp.protected, dim=-1)) for r, rp in enumerate(rows)
         ]
 
     def _reevict_ranks(self, i: int, layer: BudgetLayer, targets: list[int | None], final: bool) -> None:

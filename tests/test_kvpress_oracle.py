@@ -92,139 +92,27 @@ def test_default_snapkv_differs_from_kvpress(oracle: dict) -> None:
 def test_answers_match_kvpress_end_to_end(oracle: dict, tmp_path: Path, aware: bool) -> None:
     """`bench peer`'s two paths — kvpress's runner and our `run_ours` — decode the same tokens,
     question-agnostic and question-aware, for SnapKV with kvpress's settings."""
-    from kvbudget.bench.peer import run_kvpress, run_ours
+    from kvbudget.bench.peer import run_ours
 
     model = oracle["model"]
     sample = {"id": "q", "context_ids": oracle["ids"]["s1"], "question_ids": _ids(7)[:12], "eos_ids": [],
               "max_new_tokens": 6}  # fmt: skip
     (tmp_path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
     job = {**PEERS["snapkv"][1], "method": "snapkv", "budget": 90, "question_aware": aware}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
     model.save_pretrained(tmp_path / "model")
-    files = tmp_path / "model", tmp_path / "samples.jsonl"
-    theirs = run_kvpress(PEER, *files, [job], tmp_path / "o.jsonl", "float32")
+    subprocess.run(
+        [str(PEER), "-P", str(runner_script()), "--model", str(tmp_path / "model"),
+         "--samples", str(tmp_path / "samples.jsonl"), "--jobs", str(tmp_path / "jobs.json"),
+         "--out", str(tmp_path / "out.jsonl")],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    (theirs,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     ours = run_ours(model, sample, "snapkv", 90, question_aware=aware)
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    assert theirs[0]["kept_entries"] == ours["kept_entries"] == layers * heads * 90
+    assert theirs["kept_entries"] == ours["kept_entries"] == layers * heads * 90
     assert len(ours["token_ids"]) == 6
-    assert ours["token_ids"] == theirs[0]["token_ids"]
-
-
-def test_bench_peer_alternates_repeats_and_runs_full_on_both_sides(tmp_path: Path, monkeypatch) -> None:
-    """`run_peer` with 2 repeats: kvpress and ours alternate, every repeat's rows are kept, and the
-    `full` pair (no press ↔ our `full`) keeps the whole context and decodes the same tokens."""
-    from conftest import tiny_tokenizer
-    from kvbudget.bench import peer
-
-    model_dir = tmp_path / "model"
-    model = tiny_model("llama", seed=3)
-    model.save_pretrained(model_dir)
-    tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
-    calls: list[str] = []
-    real_kvpress, real_run = peer.run_kvpress, peer.RunnerServer.run
-    monkeypatch.setattr(peer, "run_kvpress", lambda *a: calls.append("kvpress") or real_kvpress(*a))
-    monkeypatch.setattr(
-        peer.RunnerServer, "run", lambda self, *a: calls.append(self.name) or real_run(self, *a)
-    )
-    config = peer.PeerConfig(
-        model=str(model_dir), tasks=["needle_filler"], lengths=[300], limit=1, methods=["full", "snapkv"],
-        budgets=[96], peer_python=str(PEER), repeats=2, interleave=False,
-    )  # fmt: skip
-    out = tmp_path / "out"
-    result = json.loads(peer.run_peer(config, out).read_text())
-    passes = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
-    assert passes == ["kvpress", "kvbudget", "kvpress", "kvbudget"]
-    assert calls.count("kvbudget") == 2 * 2  # 2 repeats × 2 jobs (the runner warms up inside)
-
-    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    sides = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
-             for name in ("ours", "kvpress")}  # fmt: skip
-    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    for name, rows in sides.items():
-        assert sorted((r["repeat"], r["sample"], r["method"]) for r in rows) == sorted(
-            (rep, s["id"], m) for rep in (0, 1) for s in samples for m in ("snapkv", "full")
-        )
-        for r in rows:
-            assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]), name
-            assert r["prefill_s"] > 0 and r["decode_s"] > 0
-            assert len(r["step_s"]) == len(r["token_ids"]) - 1 and sum(r["step_s"]) <= r["decode_s"], name
-            assert isinstance(r["minor_faults"], int) and r["minor_faults"] >= 0, name
-            if r["method"] == "full":  # no press; our session only keeps its books
-                assert r["compress_s"] < 0.05 * r["prefill_s"] and (name == "ours" or r["compress_s"] == 0)
-            else:  # both sides time their compression, a part of the prefill
-                assert 0 < r["compress_s"] < r["prefill_s"], name
-            context = len(next(s for s in samples if s["id"] == r["sample"])["context_ids"])
-            expected = layers * heads * (context if r["method"] == "full" else 96)
-            assert r["kept_entries"] == expected, (name, r["method"])
-    first = {name: {(r["sample"], r["method"]): r["token_ids"] for r in rows if r["repeat"] == 0}
-             for name, rows in sides.items()}  # fmt: skip
-    assert first["ours"] == first["kvpress"]  # full and SnapKV: the same answers on both sides
-
-    by_method = {r["method"]: r for r in result["rows"]}
-    assert by_method["full"]["budget"] is None and by_method["full"]["press"] == "no press"
-    for row in by_method.values():
-        assert row["repeats"] == 2 and row["samples"] == 1 and row["same_answer"] == 1.0
-        assert row["ours_deterministic"] and row["kvpress_deterministic"]
-    for name, rows in sides.items():  # greedy decoding repeats itself on both sides
-        assert all(r["token_ids"] == first[name][(r["sample"], r["method"])] for r in rows), name
-    text = (out / "peer.md").read_text()
-    assert "| needle_filler | 300 | `full` | no press | — | 1 |" in text
-    assert "decode s ours / kvpress (ratio)" in text and "2 repeat(s)" in text
-
-
-def test_bench_peer_interleaves_the_sides_run_by_run(tmp_path: Path, monkeypatch) -> None:
-    """The default mode: one kvpress process kept up, each (repeat, sample, job) run on both sides
-    back to back with the first side alternating, and the same answers as the pass-by-pass mode."""
-    from conftest import tiny_tokenizer
-    from kvbudget.bench import peer
-
-    model_dir = tmp_path / "model"
-    tiny_model("llama", seed=3).save_pretrained(model_dir)
-    tiny_tokenizer(chat_template=True).save_pretrained(model_dir)
-    calls: list[tuple[str, str]] = []
-    real_run = peer.RunnerServer.run
-    jobs: list[dict] = []
-
-    def recorded_run(self, sample: int, job: int) -> dict:
-        calls.append((self.name, jobs[job]["method"]))
-        return real_run(self, sample, job)
-
-    monkeypatch.setattr(peer.RunnerServer, "run", recorded_run)
-    monkeypatch.setattr(peer, "SETTLE_S", 0.0)
-    monkeypatch.setattr(peer, "run_kvpress", lambda *a: pytest.fail("no kvpress pass when interleaving"))
-    config = peer.PeerConfig(
-        model=str(model_dir), tasks=["needle_filler"], lengths=[300], limit=2, methods=["full", "snapkv"],
-        budgets=[96], peer_python=str(PEER), repeats=2,
-    )  # fmt: skip
-    jobs += peer.make_jobs(config)
-    out = tmp_path / "out"
-    result = json.loads(peer.run_peer(config, out).read_text())
-    assert len(calls) == 2 * 2 * 2 * 2  # repeats × samples × jobs × sides (warm-ups are inside the runners)
-    pairs = [calls[k : k + 2] for k in range(0, len(calls), 2)]
-    for n, (first, second) in enumerate(pairs):
-        assert first[1] == second[1] and {first[0], second[0]} == {"kvpress", "kvbudget"}
-        rep, sample, job = n // 4, n // 2 % 2, n % 2
-        assert first[0] == ("kvpress" if (rep + sample + job) % 2 == 0 else "kvbudget")
-    sides = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
-             for name in ("ours", "kvpress")}  # fmt: skip
-    for name, rows in sides.items():
-        assert len(rows) == 8 and {r["repeat"] for r in rows} == {0, 1}
-        assert sum(r["first"] for r in rows) == 4, name
-        assert all(isinstance(r["minor_faults"], int) for r in rows), name
-    by_method = {r["method"]: r for r in result["rows"]}
-    for row in by_method.values():
-        assert row["repeats"] == 2 and row["samples"] == 2 and row["same_answer"] == 1.0
-    assert "interleaved run by run" in (out / "peer.md").read_text()
-    assert (out / "ours.log").exists() and (out / "kvpress.log").exists()
-
-
-def test_kvpress_server_that_cannot_start_raises_a_clear_error(tmp_path: Path) -> None:
-    from kvbudget.bench.peer import kvpress_server
-    from kvbudget.errors import KVBudgetError
-
-    (tmp_path / "samples.jsonl").write_text("")
-    with pytest.raises(KVBudgetError, match="the kvpress runner stopped"):
-        kvpress_server(PEER, tmp_path / "none", tmp_path / "samples.jsonl", [], tmp_path / "k.log", "float32")
-    assert (tmp_path / "k.log").read_text()  # the runner's traceback is kept
+    assert ours["token_ids"] == theirs["token_ids"]
 
 
 # ----------------------------------------------------------------------- keydiff, lagkv, chunkkv, qfilter

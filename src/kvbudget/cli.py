@@ -637,9 +637,7 @@ def bench_peer(
     ] = None,
     budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-    repeats: Annotated[
-        int, typer.Option(help="Runs per (sample, method, budget) and side; times are medians.")
-    ] = 1,
+    repeats: Annotated[int, typer.Option(help="Runs per (sample, method, budget) and side.")] = 1,
     peer_python: Annotated[
         Path, typer.Option(help="Python of the kvpress environment (`make peer`).")
     ] = Path(".venv-peer/bin/python"),
@@ -647,15 +645,9 @@ def bench_peer(
     question_aware: Annotated[
         bool, typer.Option(help="Compress context and question together (default: the context only).")
     ] = False,
-    interleave: Annotated[
-        bool,
-        typer.Option(
-            help="Alternate the sides run by run with one kvpress process kept up (default); "
-            "--no-interleave alternates whole passes."
-        ),
-    ] = True,
 ) -> None:
-    """The same samples through kvpress presses and our methods with matching settings."""
+    """The same samples through kvpress presses and our methods with matching settings: accuracy
+    and wall time per pair."""
     from kvbudget.bench.peer import PeerConfig, run_peer
 
     config = PeerConfig(
@@ -665,7 +657,6 @@ def bench_peer(
         peer_python=str(peer_python),
         question_aware=question_aware,
         repeats=repeats,
-        interleave=interleave,
     )
     config.tasks = _split(tasks) or config.tasks
     config.lengths = _ints(lengths, "lengths") or config.lengths

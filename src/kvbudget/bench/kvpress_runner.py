@@ -13,17 +13,16 @@ with ``"question_aware": true`` prefills context and question together inside th
 Timing, as kvbudget's side measures it: ``prefill_s`` runs from the start to the prompt's last
 logits (context prefill with compression, plus the question's forward when question-agnostic),
 ``decode_s`` from there to the last token (first token's argmax included), ``wall_s`` is their
-sum; ``context_s`` is the compressed context prefill alone; ``compress_s`` the time spent in the
-press's ``compress`` (scoring, selection, gathering the kept entries), summed over the layers;
-``step_s`` each decode step's seconds (its forward and the choice of its token).
-Counting the cache's entries is not timed.
+sum; ``compress_s`` is the time spent in the press's ``compress`` (scoring, selection, gathering
+the kept entries), summed over the layers; ``step_s`` each decode step's seconds (its forward and
+the choice of its token). Counting the cache's entries is not timed.
 
 ``--serve`` keeps the process: after loading the model (and the warm-up) it prints ``READY``, then
 answers one request per stdin line, ``{"sample": i, "job": j}`` (indices into the samples and
-jobs files), with one line ``ROW <json>`` on stdout, until stdin closes — so kvbudget's side can
-alternate with it run by run (``bench peer``'s interleaved mode) without reloading the model.
-kvbudget's own runner (:mod:`kvbudget.bench.ours_runner`) serves through the same :func:`serve`.
-Every timed row also carries ``minor_faults``, the page faults the process took during the run.
+jobs files), with one line ``ROW <json>`` on stdout, until stdin closes — so a caller can run
+one (sample, job) at a time without reloading the model (``bench peer``, which alternates it with
+kvbudget's own runner, :mod:`kvbudget.bench.ours_runner`, through the same :func:`serve`; and
+:mod:`kvbudget.eval.peer_rows`).
 
 Eval jobs (:mod:`kvbudget.eval.peer_rows`, leaderboard rows marked as kvpress's) give
 ``"compression_ratio"`` instead of ``"budget"``: the press gets that ratio unchanged, so it keeps
@@ -125,7 +124,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
             out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
         else:
             model.model(input_ids=ctx, past_key_values=cache)
-    context_s = time.perf_counter() - start
+    context_s = time.perf_counter() - start  # the compressed context prefill
     kept, allocated = cache_entries(cache, model)  # not timed
     resumed = time.perf_counter()
     if aware:
@@ -155,7 +154,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
         "sample": sample["id"], "method": job["method"], "budget": job.get("budget"), "token_ids": generated,
         "compression_ratio": job.get("compression_ratio"), "compressed_tokens": ctx.shape[1],
         "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
-        "context_s": context_s, "compress_s": compress_s[0], "step_s": step_s, "kept_entries": kept,
+        "compress_s": compress_s[0], "step_s": step_s, "kept_entries": kept,
         "allocated_entries": allocated,
     }  # fmt: skip
 
@@ -213,35 +212,16 @@ def keep_going(run: Callable[[dict, dict], dict], model) -> Callable[[dict, dict
     return guarded
 
 
-def minor_faults() -> int | None:
-    """This process's minor page faults so far (None where ``resource`` is missing)."""
-    try:
-        import resource
-    except ImportError:  # not on Linux / macOS
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def counted(run: Callable[[dict, dict], dict], sample: dict, job: dict) -> dict:
-    """``run(sample, job)``'s row plus ``minor_faults``: page faults the process took during the run
-    (freshly mapped memory the kernel had to zero — the allocator's cost, which varies with the
-    process's history)."""
-    before = minor_faults()
-    row = run(sample, job)
-    after = minor_faults()
-    return {**row, "minor_faults": None if before is None or after is None else after - before}
-
-
 def serve(run: Callable[[dict, dict], dict], samples: list[dict], jobs: list[dict]) -> int:
     """Answer ``{"sample": i, "job": j}`` lines from stdin with ``ROW <json>`` lines on stdout, each
-    ``run(samples[i], jobs[j])``'s row (with its page faults). Shared by kvbudget's own runner
+    ``run(samples[i], jobs[j])``'s row. Shared by kvbudget's own runner
     (:mod:`kvbudget.bench.ours_runner`), so both sides of ``bench peer`` answer the same way."""
     print("READY", flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         request = json.loads(line)
-        row = counted(run, samples[request["sample"]], jobs[request["job"]])
+        row = run(samples[request["sample"]], jobs[request["job"]])
         print("ROW " + json.dumps(row), flush=True)
     return 0
 
@@ -294,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as out:
         for sample in samples:
             for job in jobs:
-                row = kept_indices(model, sample, job) if args.indices else counted(run, sample, job)
+                row = kept_indices(model, sample, job) if args.indices else run(sample, job)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
     return 0

@@ -2,14 +2,11 @@
 
     python -m kvbudget.bench.ours_runner --model M --samples S.jsonl --jobs J.json [--warmup]
 
-The mirror of :mod:`kvbudget.bench.kvpress_runner`: it loads the model, reads the exported
-samples and the jobs (each job names one of :data:`kvbudget.bench.peer.PEERS`, a budget and
-``question_aware``), optionally warms up on one short untimed run of the first job, then serves
-(its only mode): it prints ``READY`` and answers ``{"sample": i, "job": j}`` stdin lines with
-``ROW <json>`` lines (one :func:`kvbudget.bench.peer.run_ours` row each, with its page faults)
-through the kvpress runner's serve loop. With both sides in fresh processes of the same layout —
-model loaded, warmed up, then one run per request — neither side's timings carry the other's
-history: the driver (``bench peer``) only exports samples, sends requests and writes reports.
+The mirror of :mod:`kvbudget.bench.kvpress_runner`'s ``--serve``: it loads the model, reads the
+exported samples and the jobs (each names one of :data:`kvbudget.bench.peer.PEERS`, a budget and
+``question_aware``), optionally warms up on one short untimed run of the first job, prints
+``READY`` and answers ``{"sample": i, "job": j}`` stdin lines with ``ROW <json>`` lines, one
+:func:`kvbudget.bench.peer.run_ours` row each, through the kvpress runner's serve loop.
 """
 
 from __future__ import annotations

@@ -23,11 +23,13 @@ import statistics
 import time
 
 import torch
-from decode_step_overhead import budget_steps, dynamic_steps  # the sibling script's timed loops
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvbudget.engine import Prompt
+from kvbudget.attention import attached
+from kvbudget.engine import Prompt, decode_loop, prefill
+from kvbudget.eval.runner import MethodSpec
 from kvbudget.models import load_model
+from kvbudget.session import CompressionSession
 
 
 def _seconds(fn, reps: int) -> float:
@@ -36,6 +38,37 @@ def _seconds(fn, reps: int) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - start) / reps
+
+
+@torch.inference_mode()
+@torch.inference_mode()
+def dynamic_steps(model, ids: torch.Tensor, steps: int) -> float:
+    """Prefill ``ids: [1, n]`` into a DynamicCache (sdpa), then seconds per greedy decode forward
+    over ``steps`` forwards."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for i in range(steps):
+        pos = torch.tensor([[ids.shape[1] + i]])
+        out = model(
+            input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - start) / steps
+
+
+@torch.inference_mode()
+def budget_steps(model, prompt: Prompt, method: str, budget: int, steps: int) -> float:
+    """Prefill with ``method`` (kvbudget attention), then seconds per step of the engine's decode
+    loop over ``steps`` steps."""
+    session = CompressionSession(
+        MethodSpec.parse(method).build(), model.config.num_hidden_layers, budget=budget
+    )
+    with attached(model):
+        cache, logits, mask, last = prefill(model, [prompt], session, 0)
+        decoded = decode_loop(model, cache, logits, mask, last, set(), steps + 1, trace=False)
+    return decoded.seconds / decoded.steps
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m
 
-.PHONY: install fetch test demo lint peer peer-same-transformers
+.PHONY: install fetch test demo lint peer
 
 # The stamp is rebuilt only when pyproject.toml changes, so `make install` is quick on rerun.
 install: $(VENV)/.installed
@@ -47,20 +47,4 @@ $(PEER_VENV)/.installed: Makefile
 	$(PEER_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(PEER_VENV)/bin/python -m pip install --quiet $(PEER_REQUIREMENTS)
 	$(PEER_VENV)/bin/python -c "import kvpress, transformers, torch; print('kvpress', kvpress.__version__ if hasattr(kvpress, '__version__') else '0.5.5', 'transformers', transformers.__version__, 'torch', torch.__version__)"
-	touch $@
-
-# The same kvpress with the main environment's transformers forced in (pip reports the conflict):
-# only `bench peer --methods full --peer-python .venv-peer-same/bin/python` runs there (the
-# presses need transformers < 5.3). It separates a transformers-version effect from ours.
-SAME_VENV := .venv-peer-same
-MAIN_TRANSFORMERS := $(shell grep -o 'transformers==[0-9.]*' pyproject.toml)
-
-peer-same-transformers: $(SAME_VENV)/.installed
-
-$(SAME_VENV)/.installed: Makefile pyproject.toml
-	test -x $(SAME_VENV)/bin/python || $(PYTHON) -m venv $(SAME_VENV)
-	$(SAME_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(SAME_VENV)/bin/python -m pip install --quiet $(PEER_REQUIREMENTS)
-	$(SAME_VENV)/bin/python -m pip install --quiet "$(MAIN_TRANSFORMERS)"
-	$(SAME_VENV)/bin/python -c "import kvpress, transformers; print('kvpress with transformers', transformers.__version__); assert 'transformers==' + transformers.__version__ == '$(MAIN_TRANSFORMERS)'"
 	touch $@

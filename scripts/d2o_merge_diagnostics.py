@@ -1,7 +1,7 @@
 """D2O's merging under the microscope: per-layer merge statistics and paired long-document perplexity.
 
 For each passage and each variant (D2O with its merge options, ``d2o-nomerge``, ``h2o``) the
-passage's perplexity is measured as ``scripts/d2o_perplexity.py`` does (the ``perplexity`` task's
+passage's perplexity is measured by the ``perplexity`` task's
 :func:`~kvbudget.eval.tasks.perplexity.chunked_perplexity`: the first ``--first-chunk`` tokens are
 prefilled and compressed to the budget, the rest read ``--chunk`` tokens at a time from the cache,
 trimmed back to the budget after every chunk). While a D2O variant merges, a

@@ -1,7 +1,8 @@
 """kvbudget: KV-cache compression for Hugging Face transformers LLMs under a memory budget.
 
 Public API: :func:`generate`, :func:`compress`, :func:`load_model`, :func:`attach` /
-:func:`detach`, :func:`make_method`, :func:`method_names`, :class:`BudgetCache`.
+:func:`detach`, :func:`make_method`, :func:`method_names`, :class:`BudgetCache`, and for
+``model.generate`` users :class:`CompressingCache` and :func:`answer` (:mod:`kvbudget.native`).
 Nothing happens at import time: attention is routed through kvbudget only by ``attach``
 (which ``generate`` and ``compress`` call).
 """
@@ -14,7 +15,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetCache",
+    "CompressingCache",
     "GenerationResult",
+    "answer",
     "attach",
     "attached",
     "compress",
@@ -36,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from kvbudget import attention
 
         return getattr(attention, name)
+    if name in ("CompressingCache", "answer"):
+        from kvbudget import native
+
+        return getattr(native, name)
     if name == "BudgetCache":
         from kvbudget.cache import BudgetCache
 

@@ -15,6 +15,10 @@ class UnknownMethodError(KVBudgetError):
     """A method name that is not in the registry, or an option the method does not have."""
 
 
+class UnsupportedMethodError(KVBudgetError):
+    """A method that cannot run in the requested setting (e.g. inside ``model.generate``)."""
+
+
 class BudgetError(KVBudgetError):
     """A budget or ratio outside its allowed range."""
 

@@ -21,11 +21,10 @@ The cache tells the phases apart by what the model feeds it:
 
 Attention: the constructor routes the model's attention through kvbudget (:func:`kvbudget.attach`:
 the model's own ``config._attn_implementation`` becomes ``"kvbudget"`` and forward pre-hooks go on
-its attention modules; transformers only gains the "kvbudget" entry in its attention registry, nothing
-is patched). :meth:`CompressingCache.close`, or leaving a
-``with CompressingCache(...) as cache:`` block, restores the previous implementation once every
-cache that found the model unattached is closed. A model left attached computes the same exact
-attention for any other cache.
+its attention modules; transformers only gains a ``"kvbudget"`` entry in its attention registry,
+nothing is patched). :meth:`CompressingCache.close`, or leaving a ``with CompressingCache(...) as
+cache:`` block, restores the previous implementation once every cache that found the model
+unattached is closed. A model left attached computes the same exact attention for any other cache.
 
 Refused with a one-line :class:`~kvbudget.errors.UnsupportedMethodError`: prune-stage methods (they
 run the decoder layers themselves and feed deeper layers only the tokens they select) and lookahead

@@ -14,7 +14,7 @@ import kvbudget
 from conftest import tiny_model, tiny_tokenizer
 from kvbudget.allocation import baklava_reallocate, kmeans_1d, squeeze_layer_weights
 from kvbudget.cli import app
-from kvbudget.errors import BudgetError, ProfileError, UnknownMethodError
+from kvbudget.errors import BudgetError, MethodOptionError, ProfileError
 from kvbudget.methods.profiled import bounded_budgets
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import (
@@ -398,7 +398,7 @@ def test_baklava_model_scope_reallocates_over_every_cache_of_the_model():
         [64, 16, 64, 16],
     ]
     assert int(budgets.sum()) == 64 * 24  # the model total is exact; the layer totals moved
-    with pytest.raises(UnknownMethodError, match="scope must be layer or model, got 'all'"):
+    with pytest.raises(MethodOptionError, match="scope must be layer or model, got 'all'"):
         make_method("baklava", scope="all")
 
 

@@ -24,7 +24,7 @@ import kvbudget
 from conftest import tiny_model
 from kvbudget.allocation import cake_preference
 from kvbudget.cache import BudgetLayer
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.cake import authors_checkpoint
 from kvbudget.methods.cascade import RowPlan
 from kvbudget.methods.registry import make_method
@@ -95,7 +95,7 @@ def test_cake_preference_formula():
 
 def test_cake_options_are_checked():
     for bad in ({"window": 1}, {"gamma": -1.0}, {"tau1": 0.0}):
-        with pytest.raises(UnknownMethodError):
+        with pytest.raises(MethodOptionError):
             make_method("cake", **bad)
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import kvbudget
 from kvbudget.allocation import attention_variance, inverse_variance_layer_budgets
 from kvbudget.cache import BudgetCache, BudgetLayer
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.merging import d2o_merge
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
@@ -417,9 +417,9 @@ def test_d2o_holds_every_layer_at_its_budget_while_decoding_on_the_real_model(re
 
 
 def test_d2o_rejects_bad_options():
-    with pytest.raises(UnknownMethodError, match="beta"):
+    with pytest.raises(MethodOptionError, match="beta"):
         make_method("d2o", beta=1.5)
-    with pytest.raises(UnknownMethodError, match="variance"):
+    with pytest.raises(MethodOptionError, match="variance"):
         make_method("d2o", variance="entropy")
 
 
@@ -732,11 +732,11 @@ def test_fixed_threshold_above_one_keeps_exactly_what_no_merge_keeps():
 
 
 def test_d2o_rejects_bad_merge_options():
-    with pytest.raises(UnknownMethodError, match="merge_targets"):
+    with pytest.raises(MethodOptionError, match="merge_targets"):
         make_method("d2o", merge_targets="recent")
-    with pytest.raises(UnknownMethodError, match="weighting"):
+    with pytest.raises(MethodOptionError, match="weighting"):
         make_method("d2o", weighting="mean")
-    with pytest.raises(UnknownMethodError, match="decision"):
+    with pytest.raises(MethodOptionError, match="decision"):
         make_method("d2o", decision="layer")
-    with pytest.raises(UnknownMethodError, match="fixed_threshold"):
+    with pytest.raises(MethodOptionError, match="fixed_threshold"):
         make_method("d2o", fixed_threshold=-2.0)

@@ -12,7 +12,13 @@ from typer.testing import CliRunner
 import kvbudget
 from conftest import tiny_model, tiny_tokenizer
 from kvbudget.cli import app
-from kvbudget.errors import BudgetError, InputError, UnknownMethodError, UnsupportedModelError
+from kvbudget.errors import (
+    BudgetError,
+    InputError,
+    MethodOptionError,
+    UnknownMethodError,
+    UnsupportedModelError,
+)
 
 CONTEXT = "A long enough context about foxes and dogs. " * 4
 
@@ -55,7 +61,7 @@ def test_generate_rejects_bad_input_with_a_clear_message(kwargs, error, words, l
 )
 def test_make_method_validates_options(options, words):
     method = "ada-snapkv"
-    with pytest.raises(UnknownMethodError) as info:
+    with pytest.raises(MethodOptionError) as info:
         kvbudget.make_method(method, **options)
     assert words in str(info.value)
 

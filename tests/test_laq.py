@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import kvbudget
 from conftest import TINY, tiny_model
 from kvbudget.engine import build_prompt, prefill, prefill_inputs
-from kvbudget.errors import BudgetError, UnknownMethodError
+from kvbudget.errors import BudgetError, MethodOptionError
 from kvbudget.eval.runner import MethodSpec
 from kvbudget.methods.lookahead import LookaheadObservation, QueryCapture, QueryHeadLayer
 from kvbudget.methods.registry import make_method
@@ -330,7 +330,7 @@ def test_timings_split_the_lookahead_and_the_reselection(llama, chat_tokenizer):
     ],
 )
 def test_bad_options_are_named(options, match):
-    with pytest.raises(UnknownMethodError, match=match) as err:
+    with pytest.raises(MethodOptionError, match=match) as err:
         make_method("laq", **options)
     assert "\n" not in str(err.value)
 

@@ -29,7 +29,7 @@ from kvbudget.allocation import (
     proportional_budgets,
 )
 from kvbudget.cache import BudgetLayer
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.cascade import RowPlan
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
@@ -536,9 +536,9 @@ def test_lava_floor_keeps_the_authors_floored_heads_through_the_cascade(seed):
 
 
 def test_lava_floor_alpha_is_checked_and_needs_the_flattened_split():
-    with pytest.raises(UnknownMethodError):
+    with pytest.raises(MethodOptionError):
         make_method("lava", floor_alpha=1.5)
-    with pytest.raises(UnknownMethodError) as info:
+    with pytest.raises(MethodOptionError) as info:
         make_method("lava-nohead", floor_alpha=0.2)
     assert "\n" not in str(info.value) and "floor_alpha" in str(info.value)
     make_method("lava-uniform", floor_alpha=0.2)  # the flattened split: accepted

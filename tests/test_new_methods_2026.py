@@ -156,14 +156,14 @@ def test_kvzip_without_a_template_reconstructs_from_the_first_token(saved: dict,
 
 
 def test_kvzip_refuses_bad_options() -> None:
-    from kvbudget.errors import UnknownMethodError
+    from kvbudget.errors import MethodOptionError
 
     for options, words in [
         ({"level": "global"}, "level"),
         ({"chunk": 0}, "chunk"),
         ({"overlap": -1}, "overlap"),
     ]:
-        with pytest.raises(UnknownMethodError, match=words):
+        with pytest.raises(MethodOptionError, match=words):
             make_method("kvzip", **options)
 
 
@@ -276,14 +276,14 @@ def test_expected_attention_keeps_the_closed_form_top(kind: str, options: dict, 
 
 
 def test_expected_attention_needs_a_rotary_model_and_good_options() -> None:
-    from kvbudget.errors import UnknownMethodError
+    from kvbudget.errors import MethodOptionError
 
     for options, words in [
         ({"future": 0}, "future"),
         ({"epsilon": -1.0}, "epsilon"),
         ({"floor_alpha": 2.0}, "floor"),
     ]:
-        with pytest.raises(UnknownMethodError, match=words):
+        with pytest.raises(MethodOptionError, match=words):
             make_method("expected-attention", **options)
 
 
@@ -384,12 +384,12 @@ def test_rkv_cache_stays_between_budget_and_budget_plus_buffer(llama, chat_token
 
 
 def test_rkv_refuses_bad_options() -> None:
-    from kvbudget.errors import UnknownMethodError
+    from kvbudget.errors import MethodOptionError
 
     for options, words in [
         ({"buffer": 0}, "buffer"),
         ({"mix_lambda": 1.5}, "mix_lambda"),
         ({"window": 0}, "window"),
     ]:
-        with pytest.raises(UnknownMethodError, match=words):
+        with pytest.raises(MethodOptionError, match=words):
             make_method("r-kv", **options)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbudget.cache import BudgetLayer
-from kvbudget.errors import ProfileError, UnknownMethodError
+from kvbudget.errors import MethodOptionError, ProfileError
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
 
@@ -195,7 +195,7 @@ def test_lagkv_reference_is_the_lagging_partition_not_the_own_one() -> None:
 
 
 def test_lagkv_rejects_a_lag_below_two() -> None:
-    with pytest.raises(UnknownMethodError, match="lag_size must be an integer ≥ 2"):
+    with pytest.raises(MethodOptionError, match="lag_size must be an integer ≥ 2"):
         make_method("lagkv", lag_size=1)
 
 
@@ -289,7 +289,7 @@ def test_chunkkv_reuse_shares_the_first_layer_of_each_group() -> None:
     ],
 )
 def test_chunkkv_refuses_bad_options(options: dict, message: str) -> None:
-    with pytest.raises(UnknownMethodError, match=message):
+    with pytest.raises(MethodOptionError, match=message):
         make_method("chunkkv", **options)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.prune_base import layer_at_fraction
 from kvbudget.methods.registry import make_method
 
@@ -75,13 +75,13 @@ def test_layer_fraction_maps_to_the_rounded_half_up_layer():
      ("gemfilter", "filter_layer_fraction", 2.0), ("gemfilter", "filter_layer_fraction", "half")],
 )  # fmt: skip
 def test_a_bad_layer_fraction_is_a_one_line_error(name, option, value):
-    with pytest.raises(UnknownMethodError, match=option) as err:
+    with pytest.raises(MethodOptionError, match=option) as err:
         make_method(name, **{option: value})
     assert "\n" not in str(err.value)
 
 
 def test_fastkv_rejects_unknown_pooling_and_gqa_reduction():
-    with pytest.raises(UnknownMethodError, match="reduce_heads must be mean, sum or max, got 'median'"):
+    with pytest.raises(MethodOptionError, match="reduce_heads must be mean, sum or max, got 'median'"):
         make_method("fastkv", reduce_heads="median")
-    with pytest.raises(UnknownMethodError, match="pooling must be max or avg, got 'none'"):
+    with pytest.raises(MethodOptionError, match="pooling must be max or avg, got 'none'"):
         make_method("fastkv", pooling="none")

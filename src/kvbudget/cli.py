@@ -88,17 +88,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def parse_options(pairs: list[str]) -> dict[str, str]:
-    """``["window=64", "pooling=avg"]`` → ``{"window": "64", "pooling": "avg"}``."""
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise KVBudgetError(f"--opt expects key=value, got {pair!r}")
-        options[key.strip()] = value.strip()
-    return options
-
-
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -110,20 +99,46 @@ def format_bytes(n: float) -> str:
 @app.command()
 @user_errors
 def methods() -> None:
-    """List the registered methods: name, stages, paper and default options."""
-    from kvbudget.methods.registry import REGISTRY
+    """List the registered methods (name, stages, paper, defaults; a named combination also what it
+    is made of), the allocator options each method takes, and the papers' comparison presets."""
+    from kvbudget.methods.registry import (
+        ALLOCATOR_OPTIONS,
+        METHOD_CLASSES,
+        REGISTRY,
+        combination,
+        make_method,
+    )
 
     table = Table(title="kvbudget methods")
     for column in ("name", "stages", "paper", "defaults"):
         table.add_column(column, no_wrap=column == "name")
     for name, cls in REGISTRY.items():
-        method = cls()
+        method = make_method(name)
+        combined = combination(name)
         defaults = ", ".join(  # texts with line breaks (KVzip's requests) shown escaped
             f"{k}={v!r}" if isinstance(v, str) and not v.isprintable() else f"{k}={v}"
             for k, v in method.options().items()
         )
-        table.add_row(name, "+".join(cls.stages) or "-", cls.paper, defaults)
+        if combined is not None:
+            defaults = f"= {combined.spelled_out}: " + defaults
+        table.add_row(name, "+".join(cls.stages) or "-", combined.paper if combined else cls.paper, defaults)
     console.print(table)
+    allocators = Table(
+        title="allocators as options: --opt layer_alloc=… --opt head_alloc=… (first = default)"
+    )
+    for column in ("method", "layer_alloc", "head_alloc", "parameters"):
+        allocators.add_column(column, no_wrap=column == "method")
+    refused = []
+    for name, cls in METHOD_CLASSES.items():
+        if not cls.layer_allocators and not cls.head_allocators:
+            refused.append(name)
+            continue
+        params = ", ".join(f"{p} ({option}={owner})" for p, (option, owner) in cls.allocator_params.items())
+        allocators.add_row(
+            name, ", ".join(cls.layer_allocators) or "-", ", ".join(cls.head_allocators) or "-", params
+        )
+    console.print(allocators)
+    console.print(f"{' and '.join(ALLOCATOR_OPTIONS)} do not apply to (refused): " + ", ".join(refused))
     from kvbudget.models import ARCHITECTURES
 
     console.print("Supported architectures: " + "; ".join(ARCHITECTURES.values()))
@@ -168,6 +183,7 @@ def generate(
     """Compress a context's KV cache and answer a question; prints the answer and cache statistics."""
     from kvbudget.engine import generate as run
     from kvbudget.methods.registry import make_method
+    from kvbudget.methods.spec import parse_options
     from kvbudget.models import load_model
 
     context = check.text_file(context_file, "context file")

@@ -12,7 +12,19 @@ class KVBudgetError(ValueError):
 
 
 class UnknownMethodError(KVBudgetError):
-    """A method name that is not in the registry, or an option the method does not have."""
+    """A method name that is not in the registry, or an unknown ``@preset``."""
+
+
+class MethodOptionError(KVBudgetError):
+    """A method option the method does not have, does not apply to it, or whose value is not allowed.
+
+    The message names the method, the option and the value. ``method``, ``option`` and ``value``
+    hold them where the raising code passed them (``None`` otherwise).
+    """
+
+    def __init__(self, message: str, method: str | None = None, option: str | None = None, value=None):
+        super().__init__(message)
+        self.method, self.option, self.value = method, option, value
 
 
 class UnsupportedMethodError(KVBudgetError):

@@ -59,37 +59,10 @@ from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.eval.tasks.perplexity import chunked_perplexity
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method, method_names
+from kvbudget.methods.spec import MethodSpec
 from kvbudget.models import resolve_dtype
 from kvbudget.session import CompressionSession
 from kvbudget.snapshot import Snapshot, derive, take_snapshot
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method name with options, parsed from ``name`` or ``name:key=value,key=value``."""
-
-    name: str
-    options: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        name, _, rest = text.partition(":")
-        options = []
-        for pair in filter(None, rest.split(",")):
-            key, sep, value = pair.partition("=")
-            if not sep:
-                raise KVBudgetError(f"method option must be key=value, got {pair!r} in {text!r}")
-            options.append((key.strip(), value.strip()))
-        spec = cls(name.strip(), tuple(options))
-        spec.build()  # validate now, not mid-run
-        return spec
-
-    def build(self) -> Method:
-        return make_method(self.name, **dict(self.options))
-
-    @property
-    def label(self) -> str:
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
 
 
 def ratio_budget(compression_ratio: float, compressed_tokens: int) -> int:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys, window_scores
@@ -108,11 +108,11 @@ class ASL(PruneMethod):
     def validate(self) -> None:
         super().validate()
         if not (isinstance(self.tau, (int, float)) and self.tau > 0):
-            raise UnknownMethodError(f"{self.name}: tau must be > 0, got {self.tau!r}")
+            raise MethodOptionError(f"{self.name}: tau must be > 0, got {self.tau!r}")
         if not isinstance(self.l_obs, int) or self.l_obs < 1:
-            raise UnknownMethodError(f"{self.name}: l_obs must be an integer ≥ 1, got {self.l_obs!r}")
+            raise MethodOptionError(f"{self.name}: l_obs must be an integer ≥ 1, got {self.l_obs!r}")
         if not isinstance(self.l_min, int) or self.l_min < -1:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: l_min must be ≥ 0 (or -1 for layers // 3), got {self.l_min!r}"
             )
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvbudget.allocation import baklava_reallocate
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.profiled import ProfiledMethod, bounded_budgets
 from kvbudget.observation import Observation
 from kvbudget.scoring import window_scores
@@ -77,9 +77,9 @@ class BaKlaVa(ProfiledMethod):
     def validate(self) -> None:
         super().validate()
         if self.scope not in ("layer", "model"):
-            raise UnknownMethodError(f"{self.name}: scope must be layer or model, got {self.scope!r}")
+            raise MethodOptionError(f"{self.name}: scope must be layer or model, got {self.scope!r}")
         if self.r >= 0 and self.r > 1.0:
-            raise UnknownMethodError(f"{self.name}: r must be in [0, 1] (or negative = auto), got {self.r}")
+            raise MethodOptionError(f"{self.name}: r must be in [0, 1] (or negative = auto), got {self.r}")
 
     def resolved_tr(self, ratio: float) -> tuple[float, float]:
         """``(t, r)`` for a run at compression ``ratio``: the options, else tuned, else the defaults."""

@@ -8,6 +8,14 @@ override the parts that differ:
 * :meth:`Method.head_budgets` — per-head split of a layer's budget (the head allocator);
 * :meth:`Method.window_for` / ``sinks`` — what the selector always keeps.
 
+Allocators as options: a method whose allocators may be swapped declares the values it takes in
+``layer_allocators`` / ``head_allocators`` and has the fields ``layer_alloc`` / ``head_alloc``
+(:class:`~kvbudget.methods.composable.Composable` for the generic per-layer path; LAVa its own).
+A parameter that belongs to one allocator (PyramidKV's ``beta``, AdaKV's ``floor_alpha``) is
+listed in ``allocator_params``: it is reported by :meth:`Method.options` and may differ from its
+default only while that allocator is chosen. Any other method refuses both options
+(:meth:`Method.allocation_refusal` says why).
+
 :meth:`Method.compress` runs them on one layer; decode-stage methods also implement
 :meth:`Method.decode_step`; post-prefill methods (D2O) :meth:`Method.record` and
 :meth:`Method.post_prefill`; lookahead methods (LAQ) :meth:`Method.run_lookahead`.
@@ -21,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbudget.errors import BudgetError, UnknownMethodError
+from kvbudget.errors import BudgetError, MethodOptionError
 from kvbudget.observation import Observation
 from kvbudget.selection import protected_mask, select_keep
 
@@ -40,33 +48,92 @@ class Method:
     stages: ClassVar[tuple[str, ...]] = ("prefill",)
     #: cascading methods re-evict earlier layers after each prefilled layer (:meth:`rebalance`)
     cascading: ClassVar[bool] = False
+    #: values the ``layer_alloc`` / ``head_alloc`` options take (empty: the method refuses the option)
+    layer_allocators: ClassVar[tuple[str, ...]] = ()
+    head_allocators: ClassVar[tuple[str, ...]] = ()
+    #: allocator parameter → (allocator option, value) it belongs to
+    allocator_params: ClassVar[dict[str, tuple[str, str]]] = {}
+    #: why the allocator options do not apply, when the stages do not say it (see :meth:`allocation_refusal`)
+    fixed_allocation: ClassVar[str] = ""
 
     window: int = 32
     sinks: int = 0
 
     # ------------------------------------------------------------------ configuration
+    @classmethod
+    def named(cls, name: str, **options: Any) -> Method:
+        """An object of this class registered under another ``name`` (a named combination: this
+        class with ``options``); ``name`` is what its messages, results and tuned parameters use."""
+        method = cls.__new__(cls)
+        if name != cls.name:
+            method.__dict__["name"] = name
+        method.__init__(**options)
+        return method
+
+    @classmethod
+    def allocation_refusal(cls, option: str) -> str:
+        """Why ``option`` (``layer_alloc`` or ``head_alloc``) does not apply to this class."""
+        if cls.fixed_allocation:
+            return cls.fixed_allocation
+        if "prune" in cls.stages:
+            return "a prune-stage method keeps one token set for every layer after its cut"
+        if "decode" in cls.stages:
+            return "it evicts while decoding, every layer and head back to the uniform budget"
+        return "its budgets are fixed by the method"
+
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`UnknownMethodError` naming a bad option (override to add checks)."""
+        """Raise :class:`~kvbudget.errors.MethodOptionError` naming a bad option (override to add checks)."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("window", "sinks", "kernel") and (not isinstance(value, int) or value < 0):
-                raise UnknownMethodError(
-                    f"{self.name}: option {f.name} must be an integer ≥ 0, got {value!r}"
-                )
+                raise MethodOptionError(f"{self.name}: option {f.name} must be an integer ≥ 0, got {value!r}")
         if getattr(self, "pooling", "none") not in ("max", "avg", "none"):
-            raise UnknownMethodError(f"{self.name}: pooling must be max, avg or none, got {self.pooling!r}")
+            raise MethodOptionError(f"{self.name}: pooling must be max, avg or none, got {self.pooling!r}")
         kernel = getattr(self, "kernel", 1)
         if kernel % 2 == 0:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: kernel must be odd (the pooled length is preserved), got {kernel}"
             )
+        self.validate_allocators()
+
+    def validate_allocators(self) -> None:
+        """The allocator options take one of the declared values; an allocator's parameter differs
+        from its default only while that allocator is chosen."""
+        for option, allowed in (("layer_alloc", self.layer_allocators), ("head_alloc", self.head_allocators)):
+            value = getattr(self, option, None)
+            if allowed and value not in allowed:
+                raise MethodOptionError(
+                    f"{self.name}: {option} must be {' or '.join(allowed)}, got {value!r}",
+                    self.name,
+                    option,
+                    value,
+                )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for param, (option, owner) in self.allocator_params.items():
+            value = getattr(self, param)
+            if value != defaults[param] and getattr(self, option) != owner:
+                raise MethodOptionError(
+                    f"{self.name}: option {param}={value!r} belongs to {option}={owner}, "
+                    f"but {option} is {getattr(self, option)!r}",
+                    self.name, param, value,
+                )  # fmt: skip
 
     def options(self) -> dict[str, Any]:
-        """The method's hyperparameters and their values."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The method's hyperparameters and their values; the allocator options last, each with the
+        parameters of the allocator it names (``beta`` only with ``layer_alloc="pyramid"``, ...)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        allocation = ("layer_alloc", "head_alloc", *self.allocator_params)
+        own = {k: v for k, v in values.items() if k not in allocation}
+        for option in ("layer_alloc", "head_alloc"):
+            if option in values:
+                own[option] = values[option]
+        for param, (option, owner) in self.allocator_params.items():
+            if values[option] == owner:
+                own[param] = values[param]
+        return own
 
     def min_budget(self) -> int:
         """Smallest budget the method accepts (it must exceed what is always kept)."""

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbudget.allocation import cake_preference
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.cascade import LayerwiseMethod, pool_candidates
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import pool_keys
@@ -109,6 +109,7 @@ class CAKE(LayerwiseMethod):
     paper: ClassVar[str] = "ICLR 2025, openreview EQgEMAD4kv"
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     cascading: ClassVar[bool] = True
+    fixed_allocation: ClassVar[str] = "CAKE's layer budgets are its cascading preference split"
     state_name = "cake_score"
 
     window: int = 32
@@ -122,14 +123,14 @@ class CAKE(LayerwiseMethod):
     def validate(self) -> None:
         super().validate()
         if self.window < 2:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"cake: window must be ≥ 2 (variance over the window rows), got {self.window}"
             )
         if not self.gamma >= 0.0:
-            raise UnknownMethodError(f"cake: gamma must be ≥ 0, got {self.gamma}")
+            raise MethodOptionError(f"cake: gamma must be ≥ 0, got {self.gamma}")
         for name in ("tau1", "tau2"):
             if not getattr(self, name) > 0.0:
-                raise UnknownMethodError(f"cake: {name} must be > 0, got {getattr(self, name)}")
+                raise MethodOptionError(f"cake: {name} must be > 0, got {getattr(self, name)}")
 
     # ------------------------------------------------------------------ temperatures
     def prepare(self, model: Any) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvbudget.cache import BudgetLayer
-from kvbudget.errors import KVBudgetError, UnknownMethodError
+from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.merging import cam_merge
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
@@ -58,9 +58,9 @@ class CaM(Method):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.merge_span, int) or self.merge_span < 0:
-            raise UnknownMethodError(f"cam: merge_span must be an integer ≥ 0, got {self.merge_span!r}")
+            raise MethodOptionError(f"cam: merge_span must be an integer ≥ 0, got {self.merge_span!r}")
         if not isinstance(self.chunk, int) or self.chunk < 1:
-            raise UnknownMethodError(f"cam: chunk must be a positive integer, got {self.chunk!r}")
+            raise MethodOptionError(f"cam: chunk must be a positive integer, got {self.chunk!r}")
 
     def min_budget(self) -> int:
         return self.sinks + 1

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
@@ -88,6 +88,7 @@ class ChunkKV(Method):
 
     name: ClassVar[str] = "chunkkv"
     paper: ClassVar[str] = "arXiv:2502.00299"
+    fixed_allocation: ClassVar[str] = "ChunkKV keeps one chunk selection per layer, shared by its heads"
     window: int = 32
     scorer: str = "snapkv"
     chunk_size: int = 10
@@ -102,20 +103,20 @@ class ChunkKV(Method):
         for option in ("chunk_size", "reuse"):
             value = getattr(self, option)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UnknownMethodError(f"chunkkv: option {option} must be an integer ≥ 1, got {value!r}")
+                raise MethodOptionError(f"chunkkv: option {option} must be an integer ≥ 1, got {value!r}")
         self.__dict__["_inner"] = self._build_scorer()
 
     def _build_scorer(self) -> Method:
         from kvbudget.methods.registry import make_method, method_class  # the registry imports this module
 
         if not isinstance(self.scorer, str) or self.scorer in ("chunkkv", "full"):
-            raise UnknownMethodError(f"chunkkv: scorer must be another scoring method, got {self.scorer!r}")
-        cls = method_class(self.scorer)
-        if any(s in cls.stages for s in _NO_SCORE_STAGES) or cls.cascading or cls.score is Method.score:
-            raise UnknownMethodError(
-                f"chunkkv: scorer '{self.scorer}' has no per-layer prefill score "
-                "(prune, post-prefill, lookahead and cascading methods cannot be chunked)"
-            )
+            raise MethodOptionError(f"chunkkv: scorer must be another scoring method, got {self.scorer!r}")
+        try:
+            cls = method_class(self.scorer)
+        except UnknownMethodError as err:
+            raise MethodOptionError(f"chunkkv: option scorer={self.scorer!r}: {err}") from None
+        if any(s in cls.stages for s in _NO_SCORE_STAGES) or cls.score is Method.score:
+            raise MethodOptionError(self._no_score())
         fields = {f.name for f in dataclasses.fields(cls)}
         passed: dict[str, Any] = {"window": self.window, "sinks": self.sinks}
         for option, default in SCORER_OPTIONS.items():
@@ -123,8 +124,17 @@ class ChunkKV(Method):
             if option in fields:
                 passed[option] = value
             elif value != default:
-                raise UnknownMethodError(f"chunkkv: scorer '{self.scorer}' has no option {option}")
-        return make_method(self.scorer, **passed)
+                raise MethodOptionError(f"chunkkv: scorer '{self.scorer}' has no option {option}")
+        inner = make_method(self.scorer, **passed)
+        if inner.cascading:  # LAVa's cascading layer allocator is an option: known once built
+            raise MethodOptionError(self._no_score())
+        return inner
+
+    def _no_score(self) -> str:
+        return (
+            f"chunkkv: scorer '{self.scorer}' has no per-layer prefill score "
+            "(prune, post-prefill, lookahead and cascading methods cannot be chunked)"
+        )
 
     @property
     def inner(self) -> Method:

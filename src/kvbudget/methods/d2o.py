@@ -11,7 +11,7 @@ import torch
 
 from kvbudget.allocation import attention_variance, inverse_variance_layer_budgets
 from kvbudget.cache import BudgetLayer
-from kvbudget.errors import KVBudgetError, UnknownMethodError
+from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.merging import D2OMerge, d2o_merge
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
@@ -109,7 +109,9 @@ class D2O(Method):
             (one ``τ`` per layer, head-mean similarity).
         fixed_threshold: merge only evicted entries with best similarity ≥ it (−1 = off, default;
             above 1 nothing is merged).
-        dynamic_layers: variance-based layer budgets (True; False = uniform ``B`` per layer).
+        dynamic_layers: variance-based layer budgets (True; False = uniform ``B`` per layer: the
+            paper's "w.o. Layer Operation" ablation, Table 6, registered as ``d2o-uniform``;
+            ``d2o-nomerge`` is ``merge=False``).
         variance: ``minmax`` (default) or ``raw`` (see above). min_fraction: lower clamp (0.01 of L).
         chunk: query chunk of the prompt column sums.
     """
@@ -118,6 +120,9 @@ class D2O(Method):
     paper: ClassVar[str] = "arXiv:2406.13035"
     stages: ClassVar[tuple[str, ...]] = ("post_prefill", "decode")
     state_name: ClassVar[str] = "d2o_attention"
+    fixed_allocation: ClassVar[str] = (
+        "D2O's layer split is its dynamic_layers option (True: by attention variance; False: uniform)"
+    )
 
     window: int = 0
     sinks: int = 4
@@ -137,30 +142,30 @@ class D2O(Method):
     def validate(self) -> None:
         super().validate()
         if not 0.0 <= self.heavy_fraction < 1.0:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: heavy_fraction must be in [0, 1), got {self.heavy_fraction}"
             )
         if not 0.0 <= self.beta <= 1.0:
-            raise UnknownMethodError(f"{self.name}: beta must be in [0, 1], got {self.beta}")
+            raise MethodOptionError(f"{self.name}: beta must be in [0, 1], got {self.beta}")
         if self.merge_targets not in ("all", "heavy"):
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: merge_targets must be all or heavy, got {self.merge_targets!r}"
             )
         for option in ("weighting", "decision"):
             if getattr(self, option) not in ("paper", "authors"):
-                raise UnknownMethodError(
+                raise MethodOptionError(
                     f"{self.name}: {option} must be paper or authors, got {getattr(self, option)!r}"
                 )
         if not isinstance(self.fixed_threshold, (int, float)) or not self.fixed_threshold >= -1.0:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: fixed_threshold must be a number ≥ -1 (-1 = off), got {self.fixed_threshold!r}"
             )
         if self.variance not in ("minmax", "raw"):
-            raise UnknownMethodError(f"{self.name}: variance must be minmax or raw, got {self.variance!r}")
+            raise MethodOptionError(f"{self.name}: variance must be minmax or raw, got {self.variance!r}")
         if not 0.0 <= self.min_fraction <= 1.0:
-            raise UnknownMethodError(f"{self.name}: min_fraction must be in [0, 1], got {self.min_fraction}")
+            raise MethodOptionError(f"{self.name}: min_fraction must be in [0, 1], got {self.min_fraction}")
         if not isinstance(self.chunk, int) or self.chunk < 1:
-            raise UnknownMethodError(f"{self.name}: chunk must be a positive integer, got {self.chunk!r}")
+            raise MethodOptionError(f"{self.name}: chunk must be a positive integer, got {self.chunk!r}")
 
     def min_budget(self) -> int:
         return self.sinks + 2  # at least one heavy hitter and one recent entry
@@ -356,22 +361,3 @@ class D2O(Method):
             new_keys[r, :, : k.shape[1]] = k
             new_values[r, :, : v.shape[1]] = v
         layer.keys, layer.values = new_keys, new_values
-
-
-@dataclass
-class D2OUniform(D2O):
-    """D2O without the layer-level operation: every layer keeps the uniform budget (the paper's
-    "w.o. Layer Operation" ablation, Table 6); eviction and EMA-threshold merging as in D2O."""
-
-    name: ClassVar[str] = "d2o-uniform"
-    dynamic_layers: bool = False
-
-
-@dataclass
-class D2ONoMerge(D2O):
-    """D2O without merging: variance-based layer budgets and sinks + heavy + recent eviction, evicted
-    entries dropped (isolates what the merging adds; ``threshold=False`` on ``d2o`` gives the paper's
-    "w.o. EMA-Threshold" row instead)."""
-
-    name: ClassVar[str] = "d2o-nomerge"
-    merge: bool = False

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbudget.allocation import adaptive_head_budgets
-from kvbudget.errors import KVBudgetError, UnknownMethodError, UnsupportedModelError
+from kvbudget.errors import KVBudgetError, MethodOptionError, UnsupportedModelError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 from kvbudget.selection import protected_mask
@@ -96,6 +96,7 @@ class ExpectedAttention(Method):
 
     name: ClassVar[str] = "expected-attention"
     paper: ClassVar[str] = "arXiv:2510.00636"
+    fixed_allocation: ClassVar[str] = "its head split is its own adaptive option (with floor_alpha)"
     window: int = 0
     sinks: int = 4
     future: int = 512
@@ -111,11 +112,11 @@ class ExpectedAttention(Method):
         for option, low in (("future", 1), ("queries", 0)):
             value = getattr(self, option)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UnknownMethodError(f"{self.name}: {option} must be an integer ≥ {low}, got {value!r}")
+                raise MethodOptionError(f"{self.name}: {option} must be an integer ≥ {low}, got {value!r}")
         if not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
-            raise UnknownMethodError(f"{self.name}: epsilon must be ≥ 0, got {self.epsilon!r}")
+            raise MethodOptionError(f"{self.name}: epsilon must be ≥ 0, got {self.epsilon!r}")
         if not 0.0 <= self.floor_alpha <= 1.0:
-            raise UnknownMethodError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
+            raise MethodOptionError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
 
     def prepare(self, model: PreTrainedModel) -> None:
         """Bind the model's RoPE frequencies (``rotary_emb.inv_freq`` of its decoder)."""

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.prune_base import (
     PruneMethod,
     check_layer_fraction,
@@ -61,18 +61,18 @@ class FastKV(PruneMethod):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.tsp_layer, int) or self.tsp_layer < -1:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: tsp_layer must be ≥ 0 (or -1 for the middle), got {self.tsp_layer!r}"
             )
         check_layer_fraction(self.name, "tsp_layer_fraction", self.tsp_layer_fraction)
         if self.pooling not in ("max", "avg"):
-            raise UnknownMethodError(f"{self.name}: pooling must be max or avg, got {self.pooling!r}")
+            raise MethodOptionError(f"{self.name}: pooling must be max or avg, got {self.pooling!r}")
         if self.reduce_heads not in ("mean", "sum", "max"):
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: reduce_heads must be mean, sum or max, got {self.reduce_heads!r}"
             )
         if not isinstance(self.tsp_len, int) or self.tsp_len < 0 or 0 < self.tsp_len <= self.window:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: tsp_len must be 0 (the budget) or > window ({self.window}), "
                 f"got {self.tsp_len!r}"
             )

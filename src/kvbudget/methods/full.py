@@ -18,6 +18,7 @@ class FullCache(Method):
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "-"
     stages: ClassVar[tuple[str, ...]] = ()
+    fixed_allocation: ClassVar[str] = "the full cache keeps every entry"
     window: int = 0
 
     def min_budget(self) -> int:

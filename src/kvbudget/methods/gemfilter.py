@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.prune_base import (
     PruneMethod,
     check_layer_fraction,
@@ -65,7 +65,7 @@ class GemFilter(PruneMethod):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.filter_layer, int) or self.filter_layer < -1:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: filter_layer must be ≥ 0 (or -1 for 0.4·layers), got {self.filter_layer!r}"
             )
         check_layer_fraction(self.name, "filter_layer_fraction", self.filter_layer_fraction)

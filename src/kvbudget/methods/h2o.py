@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
 
@@ -39,7 +39,7 @@ class H2O(Method):
     def validate(self) -> None:
         super().validate()
         if not 0.0 <= self.heavy_fraction <= 1.0:
-            raise UnknownMethodError(f"h2o: heavy_fraction must be in [0, 1], got {self.heavy_fraction}")
+            raise MethodOptionError(f"h2o: heavy_fraction must be in [0, 1], got {self.heavy_fraction}")
 
     def min_budget(self) -> int:
         return 2

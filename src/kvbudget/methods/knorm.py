@@ -7,12 +7,12 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.methods.base import Method
+from kvbudget.methods.composable import Composable
 from kvbudget.observation import Observation
 
 
 @dataclass
-class KNorm(Method):
+class KNorm(Composable):
     """Score = −‖k_j‖₂ per head: low-norm keys tend to draw high attention.
 
     Reference: Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
@@ -20,6 +20,8 @@ class KNorm(Method):
 
     Args:
         window: recent entries always kept (default 0, as the paper).
+        layer_alloc, head_alloc, beta, floor_alpha: the allocators (uniform by default;
+            :class:`~kvbudget.methods.composable.Composable`).
     """
 
     name: ClassVar[str] = "knorm"

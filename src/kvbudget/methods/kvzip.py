@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvbudget.cache import BudgetCache, BudgetLayer
-from kvbudget.errors import KVBudgetError, UnknownMethodError
+from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.selection import protected_mask, select_keep
 from kvbudget.session import CompressionSession
@@ -206,6 +206,7 @@ class KVzip(Method):
     name: ClassVar[str] = "kvzip"
     paper: ClassVar[str] = "arXiv:2505.23416"
     stages: ClassVar[tuple[str, ...]] = ("lookahead",)
+    fixed_allocation: ClassVar[str] = "its budgets come from its reconstruction scores (the level option)"
 
     window: int = 0
     sinks: int = 4
@@ -220,13 +221,13 @@ class KVzip(Method):
         for option, low in (("chunk", 1), ("overlap", 0)):
             value = getattr(self, option)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UnknownMethodError(f"{self.name}: {option} must be an integer ≥ {low}, got {value!r}")
+                raise MethodOptionError(f"{self.name}: {option} must be an integer ≥ {low}, got {value!r}")
         if self.level not in LEVELS:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: level must be one of {', '.join(LEVELS)}, got {self.level!r}"
             )
         if not self.repeat_prompt.strip():
-            raise UnknownMethodError(f"{self.name}: repeat_prompt is empty")
+            raise MethodOptionError(f"{self.name}: repeat_prompt is empty")
 
     @property
     def dynamic_layers(self) -> bool:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
@@ -74,6 +74,7 @@ class LagKV(Method):
 
     name: ClassVar[str] = "lagkv"
     paper: ClassVar[str] = "arXiv:2504.04704"
+    fixed_allocation: ClassVar[str] = "LagKV keeps the same share of every partition of every head"
     window: int = 0
     sinks: int = 16
     lag_size: int = 128
@@ -81,7 +82,7 @@ class LagKV(Method):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.lag_size, int) or self.lag_size < 2:
-            raise UnknownMethodError(f"lagkv: lag_size must be an integer ≥ 2, got {self.lag_size!r}")
+            raise MethodOptionError(f"lagkv: lag_size must be an integer ≥ 2, got {self.lag_size!r}")
 
     def score(self, obs: Observation) -> torch.Tensor:
         keys, values, valid = obs.keys, obs.values, obs.valid

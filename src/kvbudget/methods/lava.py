@@ -13,7 +13,7 @@ from kvbudget.allocation import (
     normalized_entropy,
     pyramid_layer_budget,
 )
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.cascade import LayerwiseMethod
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import max_l1_value_norm, pool_keys
@@ -61,8 +61,16 @@ class LAVa(LayerwiseMethod):
     ``T`` (larger for low-entropy layers, smaller for high ones). Re-eviction recounts ``n_h`` in
     the layer's first order at the new ``B_l`` and keeps ``min(cap_h, held)``; a layer whose
     budget reaches its candidates keeps them all (the code skips a layer whose per-head budget
-    exceeds ``L − w``). Applies to ``lava``, ``lava-uniform``, ``lava-pyramid`` (not
-    ``lava-nohead``, whose heads split evenly); selection then takes the generic path.
+    exceeds ``L − w``). Applies with the flattened head split (``head_alloc="flat"``, not
+    ``"uniform"``); selection then takes the generic path.
+
+    **Allocators as options** (the paper's ablations, §5): ``layer_alloc`` is ``entropy`` (the
+    cascading budgets above, default), ``uniform`` (every layer ``H·(B − w)`` candidates, not
+    cascading; registered as ``lava-uniform``) or ``pyramid`` (PyramidKV's fixed linear schedule,
+    :func:`~kvbudget.allocation.pyramid_layer_budget` with ``beta``, not cascading;
+    ``lava-pyramid``); ``head_alloc`` is ``flat`` (Alg. 1, default) or ``uniform`` (each layer's
+    ``B_l`` split evenly, ``B_l / H`` with the remainder to the first heads, each head keeping its
+    own top by the LAVa score; ``lava-nohead``).
 
     Other differences from the authors' code: ``V̄_h`` runs over all entries as in Eq. 6 (the code
     skips the window's values); layer budgets are integerised over all ``H·layers`` entries by
@@ -78,29 +86,47 @@ class LAVa(LayerwiseMethod):
         pooling: ``max`` (default) or ``avg``.
         floor_alpha: the authors' code's per-head floor ``α`` (default 0 = the paper; their
             code runs 0.2).
+        layer_alloc: ``entropy`` (default), ``uniform`` or ``pyramid``. head_alloc: ``flat``
+            (default) or ``uniform``. beta: PyramidKV's β (20; ``layer_alloc="pyramid"`` only).
     """
 
     name: ClassVar[str] = "lava"
     paper: ClassVar[str] = "arXiv:2509.09754"
-    cascading: ClassVar[bool] = True
-    #: how the layer's budget is split over its heads: ``flat`` (one top-k) or ``even`` (B_l / H)
-    head_split: ClassVar[str] = "flat"
+    layer_allocators: ClassVar[tuple[str, ...]] = ("entropy", "uniform", "pyramid")
+    head_allocators: ClassVar[tuple[str, ...]] = ("flat", "uniform")
+    allocator_params: ClassVar[dict[str, tuple[str, str]]] = {"beta": ("layer_alloc", "pyramid")}
     state_name = "lava_score"
 
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
     floor_alpha: float = 0.0
+    layer_alloc: str = "entropy"
+    head_alloc: str = "flat"
+    beta: int = 20
+
+    @property
+    def cascading(self) -> bool:  # type: ignore[override]
+        """Entropy layer budgets are cascading; fixed (uniform, pyramid) ones are not."""
+        return self.layer_alloc == "entropy"
 
     def validate(self) -> None:
         super().validate()
         if not 0.0 <= self.floor_alpha <= 1.0:
-            raise UnknownMethodError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
-        if self.floor_alpha > 0.0 and self.head_split != "flat":
-            raise UnknownMethodError(
-                f"{self.name}: floor_alpha applies to the flattened head split only (this method splits "
-                f"each layer evenly), got {self.floor_alpha}"
+            raise MethodOptionError(
+                f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}",
+                self.name, "floor_alpha", self.floor_alpha,
+            )  # fmt: skip
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
+            raise MethodOptionError(
+                f"{self.name}: beta must be an integer ≥ 1, got {self.beta!r}", self.name, "beta", self.beta
             )
+        if self.floor_alpha > 0.0 and self.head_alloc != "flat":
+            raise MethodOptionError(
+                f"{self.name}: floor_alpha applies to the flattened head split only (head_alloc="
+                f"{self.head_alloc!r} splits each layer evenly), got {self.floor_alpha}",
+                self.name, "floor_alpha", self.floor_alpha,
+            )  # fmt: skip
 
     def score(self, obs: Observation) -> torch.Tensor:
         probs = obs.window_probs(self.window)  # [b, hq, rows, n]
@@ -123,14 +149,22 @@ class LAVa(LayerwiseMethod):
     ) -> float:
         return normalized_entropy(scores[row][candidates])
 
+    def static_total(self, target: int, length: int, protected: int, obs: Observation) -> int:
+        """Fixed layer budgets (``layer_alloc`` ``uniform`` or ``pyramid``): the layer's candidates."""
+        if self.layer_alloc == "pyramid":
+            cap = pyramid_layer_budget(target, length, obs.layer_idx, obs.num_layers, self.window, self.beta)
+        else:
+            cap = self.layer_budget(target, length, obs.layer_idx, obs.num_layers)
+        return (cap - protected) * obs.num_kv_heads
+
     def selection_order(self) -> str | None:
         # the plain flattened top-k keeps a prefix of one order; a floor or an even split does not
-        return "flat" if self.head_split == "flat" and self.floor_alpha == 0.0 else None
+        return "flat" if self.head_alloc == "flat" and self.floor_alpha == 0.0 else None
 
     def split(
         self, scores: torch.Tensor, candidates: torch.Tensor, total: int, bounds: torch.Tensor
     ) -> torch.Tensor:
-        if self.head_split == "even":
+        if self.head_alloc == "uniform":
             return even_head_budgets(total, bounds)
         masked = scores.float().masked_fill(~candidates, float("-inf"))
         return flattened_head_budgets(masked, total, 0.0, bounds)
@@ -206,44 +240,3 @@ def floored_head_budgets(
     winners = torch.bincount(order[:total].long(), minlength=bounds.numel())
     caps = torch.round(winners.float() * (1.0 - alpha) + int(alpha * budget)).long()
     return torch.minimum(caps, bounds)
-
-
-@dataclass
-class LAVaUniform(LAVa):
-    """LAVa ablation without layer dynamics: every layer keeps ``H·(B − w)`` candidates, split over
-    its heads by LAVa's flattened top-k (Alg. 1). Not cascading."""
-
-    name: ClassVar[str] = "lava-uniform"
-    cascading: ClassVar[bool] = False
-
-    def static_total(self, target: int, length: int, protected: int, obs: Observation) -> int:
-        layer_budget = self.layer_budget(target, length, obs.layer_idx, obs.num_layers)
-        return (layer_budget - protected) * obs.num_kv_heads
-
-
-@dataclass
-class LAVaNoHead(LAVa):
-    """LAVa ablation without head dynamics: entropy layer budgets (cascading) as ``lava``, each
-    layer's ``B_l`` split evenly over its heads (``B_l / H``, the remainder to the first heads);
-    each head keeps its own top by the LAVa score."""
-
-    name: ClassVar[str] = "lava-nohead"
-    head_split: ClassVar[str] = "even"
-
-
-@dataclass
-class LAVaPyramid(LAVa):
-    """LAVa ablation with fixed pyramid layer budgets (PyramidKV's formula, β = 20) and LAVa's
-    flattened head split. Not cascading.
-
-    Args:
-        beta: PyramidKV's β (default 20); other options as ``lava``.
-    """
-
-    name: ClassVar[str] = "lava-pyramid"
-    cascading: ClassVar[bool] = False
-    beta: int = 20
-
-    def static_total(self, target: int, length: int, protected: int, obs: Observation) -> int:
-        cap = pyramid_layer_budget(target, length, obs.layer_idx, obs.num_layers, self.window, self.beta)
-        return (cap - protected) * obs.num_kv_heads

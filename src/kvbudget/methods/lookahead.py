@@ -12,8 +12,9 @@ for real from the first output token at the true position after the prompt.
 
 The lookahead queries are an observation window like any other: :class:`LookaheadObservation`
 serves them through :meth:`~kvbudget.observation.Observation.window_probs`, so any window scorer
-and allocator runs on them unchanged — ``laq-ada`` (AdaKV head budgets) and ``laq-lava`` (LAVa
-scores with its cascading layer and head budgets) are registered.
+and allocator runs on them unchanged: ``laq`` takes SnapKV's allocator options (``laq-ada`` is
+``laq++`` with AdaKV's head budgets, ``--opt layer_alloc=pyramid`` gives pyramid layers), and
+``laq-lava`` is LAVa's score with its cascading layer and head budgets (and LAVa's options).
 
 The engine calls :meth:`LookaheadMixin.run_lookahead` right after the prefill (and
 :func:`kvbudget.snapshot.derive` after deriving a full cache from a shared prefill, so the
@@ -29,11 +30,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvbudget.cache import BudgetCache, BudgetLayer
-from kvbudget.errors import BudgetError, KVBudgetError, UnknownMethodError
-from kvbudget.methods.ada_snapkv import AdaSnapKV
+from kvbudget.errors import BudgetError, KVBudgetError, MethodOptionError
 from kvbudget.methods.base import Method
+from kvbudget.methods.combinations import COMBINATIONS
+from kvbudget.methods.full import FullCache
 from kvbudget.methods.lava import LAVa
 from kvbudget.methods.snapkv import SnapKV
+from kvbudget.methods.streamingllm import StreamingLLM
 from kvbudget.observation import Observation
 from kvbudget.session import CompressionSession
 
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 
 #: methods that may compress the lookahead clone (they need at most the prompt's last queries)
 LOOKAHEAD_METHODS = ("snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "streamingllm", "full")
+#: the classes those names build (a named combination: its base's class with its options)
+_CLONE_CLASSES: dict[str, type[Method]] = {"snapkv": SnapKV, "streamingllm": StreamingLLM, "full": FullCache}
 #: of those, the ones whose observation window ``lookahead_window`` sets
 WINDOWED_LOOKAHEAD = ("snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv")
 #: what a budget counts: entries per KV head (ours, the default) or per query head (the authors' code)
@@ -236,30 +241,33 @@ class LookaheadMixin:
         for name in ("steps", "lookahead_budget", "lookahead_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UnknownMethodError(f"{self.name}: option {name} must be an integer ≥ 0, got {value!r}")
+                raise MethodOptionError(f"{self.name}: option {name} must be an integer ≥ 0, got {value!r}")
         if self.budget_per not in BUDGET_GRANULARITIES:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: budget_per must be one of {', '.join(BUDGET_GRANULARITIES)}, "
                 f"got {self.budget_per!r}"
             )
         if self.lookahead_method not in LOOKAHEAD_METHODS:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: lookahead_method must be one of {', '.join(LOOKAHEAD_METHODS)}, "
                 f"got {self.lookahead_method!r}"
             )
         if self.steps == 0 and self.window == 0:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: steps=0 with window=0 leaves no observation queries; "
                 "give steps ≥ 1 or a window"
             )
         self.lookahead()  # the clone's method validates its own options now, not mid-run
 
     def lookahead(self) -> Method:
-        """A fresh object of the clone's method."""
-        from kvbudget.methods.registry import make_method  # the registry imports this module
-
-        options = {"window": self.lookahead_window} if self.lookahead_method in WINDOWED_LOOKAHEAD else {}
-        return make_method(self.lookahead_method, **options)
+        """A fresh object of the clone's method (built here from :data:`LOOKAHEAD_METHODS`' classes and
+        the named combinations' options, as the registry would build it)."""
+        name = self.lookahead_method
+        combination = COMBINATIONS.get(name)
+        base, options = (combination.base, dict(combination.options)) if combination else (name, {})
+        if name in WINDOWED_LOOKAHEAD:
+            options["window"] = self.lookahead_window
+        return _CLONE_CLASSES[base].named(name, **options)
 
     def min_budget(self) -> int:
         own = super().min_budget()
@@ -454,16 +462,24 @@ class LAQ(LookaheadMixin, SnapKV):
     prompt key (the code's causal mask over the last ``w2 + n`` keys hides the last prompt keys
     from them — a bug); a row whose first token is EOS has no pseudo query, scores 0 everywhere
     and keeps its earliest entries (its answer is empty anyway). In a batch, rows that stopped at
-    EOS earlier get zero rows; scorers that average rows (``laq-ada``, ``laq-lava``) then divide
+    EOS earlier get zero rows; scorers that average rows (``reduce_rows="mean"`` as in ``laq-ada``;
+    ``laq-lava``) then divide
     by the batch's row count — a constant per row that does not change its ranking.
 
     Reference: Wang et al., "Lookahead Q-Cache: Achieving More Consistent KV Cache Eviction via
     Pseudo Query", EMNLP 2025 (arXiv:2505.20334), §4.
 
+    ``laq++`` (Eq. 5) is ``laq`` with ``window=8``: the last 8 prompt queries join the pseudo
+    queries and the last 8 prompt tokens are always kept. ``laq-ada`` is ``laq++`` with AdaKV's
+    head budgets (``head_alloc="ada"``, floor 0.2) and the window rows averaged
+    (``reduce_rows="mean"``).
+
     Args:
         window: stage-2 window ``w2`` — the last prompt queries joining the observation and the
             last prompt tokens always kept (0 for ``laq``, 8 for ``laq++``).
         kernel, pooling, reduce_rows, reduce_heads: SnapKV's scoring options (7, max, sum, mean).
+        layer_alloc, head_alloc, beta, floor_alpha: SnapKV's allocators (uniform by default;
+            :class:`~kvbudget.methods.composable.Composable`).
         steps, lookahead_method, lookahead_budget, lookahead_window, budget_per: see
             :class:`LookaheadMixin` (``budget_per``: ``"kv-head"`` default, ``"query-head"`` the authors').
     """
@@ -471,27 +487,6 @@ class LAQ(LookaheadMixin, SnapKV):
     name: ClassVar[str] = "laq"
     paper: ClassVar[str] = "arXiv:2505.20334"
     window: int = 0
-
-
-@dataclass
-class LAQPlusPlus(LAQ):
-    """LAQ++: the last 8 prompt queries plus the pseudo queries are the observation window
-    (Eq. 5); the last 8 prompt tokens are always kept. Otherwise as :class:`LAQ`."""
-
-    name: ClassVar[str] = "laq++"
-    window: int = 8
-
-
-@dataclass
-class LAQAda(LookaheadMixin, AdaSnapKV):
-    """LAQ with AdaKV's head-adaptive budgets: the laq++ observation (last 8 prompt queries + the
-    pseudo queries, rows averaged) scores the entries, and one top-``H·(B − w2)`` over the
-    layer's heads decides each head's budget (floor α = 0.2); the last 8 tokens are kept.
-    Options as :class:`~kvbudget.methods.ada_snapkv.AdaSnapKV` and :class:`LookaheadMixin`."""
-
-    name: ClassVar[str] = "laq-ada"
-    paper: ClassVar[str] = "arXiv:2505.20334"
-    window: int = 8
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbudget.allocation import largest_remainder_round, squeeze_layer_weights
-from kvbudget.errors import BudgetError, ProfileError, UnknownMethodError
+from kvbudget.errors import BudgetError, MethodOptionError, ProfileError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 from kvbudget.profiles import Profile, resolve_profile
@@ -83,6 +83,7 @@ class ProfiledMethod(Method):
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     #: how many entries each head keeps — "layer" (uniform inside a layer) or "cache" (per KV head)
     granularity: ClassVar[str] = "layer"
+    fixed_allocation: ClassVar[str] = "its budgets per layer and head come from the offline profile"
     default_p: ClassVar[float] = 0.3
     #: other methods whose tuned parameters apply when this one has none
     tuned_from: ClassVar[tuple[str, ...]] = ()
@@ -95,9 +96,9 @@ class ProfiledMethod(Method):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.profile, str):
-            raise UnknownMethodError(f"{self.name}: profile must be a path string, got {self.profile!r}")
+            raise MethodOptionError(f"{self.name}: profile must be a path string, got {self.profile!r}")
         if self.p >= 0 and not 0.0 < self.p <= 1.0:
-            raise UnknownMethodError(f"{self.name}: p must be in (0, 1] (or negative = auto), got {self.p}")
+            raise MethodOptionError(f"{self.name}: p must be in (0, 1] (or negative = auto), got {self.p}")
 
     def min_budget(self) -> int:
         return 1

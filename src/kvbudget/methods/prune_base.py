@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import InputError, UnknownMethodError
+from kvbudget.errors import InputError, MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
@@ -106,10 +106,11 @@ def layer_at_fraction(fraction: float, num_layers: int) -> int:
 
 
 def check_layer_fraction(method: str, option: str, value: object) -> None:
-    """A layer-fraction option is -1 (unset) or a number in [0, 1]; else :class:`UnknownMethodError`."""
+    """A layer-fraction option is -1 (unset) or a number in [0, 1]; else
+    :class:`~kvbudget.errors.MethodOptionError`."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not (value == -1 or 0 <= value <= 1):
-        raise UnknownMethodError(
+        raise MethodOptionError(
             f"{method}: {option} must be in [0, 1] (a fraction of the layers) or -1 (unset), got {value!r}"
         )
 

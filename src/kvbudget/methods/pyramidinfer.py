@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
 from kvbudget.observation import Observation
 
@@ -59,9 +59,9 @@ class PyramidInfer(PruneMethod):
         for name in ("decay", "recent_ratio"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-                raise UnknownMethodError(f"{self.name}: {name} must be in [0, 1), got {value!r}")
+                raise MethodOptionError(f"{self.name}: {name} must be in [0, 1), got {value!r}")
         if not isinstance(self.min_context, int) or self.min_context < 0:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 f"{self.name}: min_context must be an integer ≥ 0, got {self.min_context!r}"
             )
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbudget.errors import ProfileError, UnknownMethodError
+from kvbudget.errors import MethodOptionError, ProfileError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 from kvbudget.profiles import resolve_profile
@@ -55,7 +55,7 @@ class QFilter(Method):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.profile, str):
-            raise UnknownMethodError(f"qfilter: profile must be a path string, got {self.profile!r}")
+            raise MethodOptionError(f"qfilter: profile must be a path string, got {self.profile!r}")
 
     def prepare(self, model: Any) -> None:
         """Load the model's profile and its filters (``[layers, kv_heads, head_dim]``)."""

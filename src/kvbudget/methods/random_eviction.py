@@ -7,17 +7,19 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.methods.base import Method
+from kvbudget.methods.composable import Composable
 from kvbudget.observation import Observation
 
 
 @dataclass
-class RandomEviction(Method):
+class RandomEviction(Composable):
     """Keeps a uniformly random subset of entries per head (plus the optional window and sinks).
 
     Args:
         window: recent entries always kept (default 0: a pure floor).
         seed: seeds a generator per layer (``seed + layer_idx``), so runs are reproducible.
+        layer_alloc, head_alloc, beta, floor_alpha: the allocators (uniform by default;
+            :class:`~kvbudget.methods.composable.Composable`).
 
     Each batch row draws its scores over its own valid entries in order, so a prompt gets the
     same selection alone or in a batch.

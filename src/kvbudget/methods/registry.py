@@ -1,20 +1,26 @@
-"""The method registry: names → method classes, and ``make_method``."""
+"""The method registry: names → methods, and ``make_method``.
+
+A registry name is a method class (``snapkv``, ``lava``) or a named combination of one with some
+options set (``ada-pyramidkv`` = ``snapkv`` + ``layer_alloc=pyramid, head_alloc=ada,
+reduce_rows=mean``; :mod:`kvbudget.methods.combinations`). ``name@preset`` applies a comparing
+paper's settings (:mod:`kvbudget.methods.presets`). Precedence, lowest first: the class's
+defaults, the combination's options, the preset's, the options given.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from kvbudget.errors import UnknownMethodError
-from kvbudget.methods.ada_pyramidkv import AdaPyramidKV
-from kvbudget.methods.ada_snapkv import AdaSnapKV
+from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.asl import ASL, ASL2Pass, ASLFullKV
 from kvbudget.methods.baklava import BaKlaVa, BaKlaVaSnapKV
 from kvbudget.methods.base import Method
 from kvbudget.methods.cake import CAKE
 from kvbudget.methods.cam import CaM
 from kvbudget.methods.chunkkv import ChunkKV
-from kvbudget.methods.d2o import D2O, D2ONoMerge, D2OUniform
+from kvbudget.methods.combinations import COMBINATIONS, Combination
+from kvbudget.methods.d2o import D2O
 from kvbudget.methods.expected_attention import ExpectedAttention
 from kvbudget.methods.fastkv import FastKV
 from kvbudget.methods.full import FullCache
@@ -24,11 +30,10 @@ from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.kvzip import KVzip
 from kvbudget.methods.lagkv import LagKV
-from kvbudget.methods.lava import LAVa, LAVaNoHead, LAVaPyramid, LAVaUniform
-from kvbudget.methods.lookahead import LAQ, LAQAda, LAQLava, LAQPlusPlus
+from kvbudget.methods.lava import LAVa
+from kvbudget.methods.lookahead import LAQ, LAQLava
 from kvbudget.methods.presets import preset_options, split_preset
 from kvbudget.methods.pyramidinfer import PyramidInfer
-from kvbudget.methods.pyramidkv import PyramidKV
 from kvbudget.methods.qfilter import QFilter
 from kvbudget.methods.random_eviction import RandomEviction
 from kvbudget.methods.rkv import RKV
@@ -38,60 +43,77 @@ from kvbudget.methods.streamingllm import StreamingLLM
 from kvbudget.methods.tova import TOVA
 from kvbudget.methods.vatp import VATP
 
+#: registry order (``kvbudget methods``, ``--methods all``, reports): a class, or a combination's name
+_ORDER: tuple[type[Method] | str, ...] = (
+    FullCache,
+    RandomEviction,
+    KNorm,
+    StreamingLLM,
+    SnapKV,
+    "pyramidkv",
+    "ada-snapkv",
+    "ada-pyramidkv",
+    H2O,
+    TOVA,
+    VATP,
+    LAVa,
+    "lava-uniform",
+    "lava-nohead",
+    "lava-pyramid",
+    CAKE,
+    D2O,
+    "d2o-uniform",
+    "d2o-nomerge",
+    CaM,
+    SqueezeAttention,
+    BaKlaVa,
+    BaKlaVaSnapKV,
+    LAQ,
+    "laq++",
+    "laq-ada",
+    LAQLava,
+    ASL,
+    ASLFullKV,
+    ASL2Pass,
+    FastKV,
+    GemFilter,
+    PyramidInfer,
+    KeyDiff,
+    LagKV,
+    ChunkKV,
+    QFilter,
+    KVzip,
+    ExpectedAttention,
+    RKV,
+)
+
+#: the method classes by their own name
+METHOD_CLASSES: dict[str, type[Method]] = {cls.name: cls for cls in _ORDER if not isinstance(cls, str)}
+
+#: every registry name → the class its objects are (a combination's: its base's class)
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls
-    for cls in (
-        FullCache,
-        RandomEviction,
-        KNorm,
-        StreamingLLM,
-        SnapKV,
-        PyramidKV,
-        AdaSnapKV,
-        AdaPyramidKV,
-        H2O,
-        TOVA,
-        VATP,
-        LAVa,
-        LAVaUniform,
-        LAVaNoHead,
-        LAVaPyramid,
-        CAKE,
-        D2O,
-        D2OUniform,
-        D2ONoMerge,
-        CaM,
-        SqueezeAttention,
-        BaKlaVa,
-        BaKlaVaSnapKV,
-        LAQ,
-        LAQPlusPlus,
-        LAQAda,
-        LAQLava,
-        ASL,
-        ASLFullKV,
-        ASL2Pass,
-        FastKV,
-        GemFilter,
-        PyramidInfer,
-        KeyDiff,
-        LagKV,
-        ChunkKV,
-        QFilter,
-        KVzip,
-        ExpectedAttention,
-        RKV,
+    entry if isinstance(entry, str) else entry.name: (
+        METHOD_CLASSES[COMBINATIONS[entry].base] if isinstance(entry, str) else entry
     )
+    for entry in _ORDER
 }
+
+#: the options that choose a method's allocators
+ALLOCATOR_OPTIONS = ("layer_alloc", "head_alloc")
 
 
 def method_names() -> list[str]:
-    """Names of all registered methods, in registry order."""
+    """Names of all registered methods (classes and named combinations), in registry order."""
     return list(REGISTRY)
 
 
+def combination(name: str) -> Combination | None:
+    """The named combination ``name`` is (a ``@preset`` suffix is ignored), or ``None`` for a class."""
+    return COMBINATIONS.get(split_preset(name)[0])
+
+
 def method_class(name: str) -> type[Method]:
-    """The class registered under ``name`` (a ``@preset`` suffix is ignored)."""
+    """The class of the objects ``name`` builds (a ``@preset`` suffix is ignored)."""
     try:
         return REGISTRY[split_preset(name)[0]]
     except KeyError:
@@ -114,8 +136,8 @@ def _coerce(value: Any, default: Any, name: str, method: str) -> Any:
         if isinstance(default, float):
             return float(value)
     except ValueError:
-        raise UnknownMethodError(
-            f"{method}: option {name} expects {type(default).__name__}, got {value!r}"
+        raise MethodOptionError(
+            f"{method}: option {name} expects {type(default).__name__}, got {value!r}", method, name, value
         ) from None
     return value
 
@@ -123,23 +145,35 @@ def _coerce(value: Any, default: Any, name: str, method: str) -> Any:
 def make_method(name: str, **options: Any) -> Method:
     """Build a fresh method object with non-default options, validated.
 
-    Example: ``make_method("snapkv", window=64, kernel=5, pooling="avg")``. String values are
-    converted to the option's type (for the CLI's ``--opt key=value``). ``name@preset`` applies a
-    paper's comparison settings first (:mod:`kvbudget.methods.presets`); ``options`` override them.
+    Example: ``make_method("snapkv", window=64, kernel=5, pooling="avg")`` or, composing the
+    allocators, ``make_method("snapkv", layer_alloc="pyramid", head_alloc="ada")``. String values
+    are converted to the option's type (for the CLI's ``--opt key=value``). A named combination
+    (``ada-pyramidkv``) sets its options first, ``name@preset`` applies a paper's comparison
+    settings next (:mod:`kvbudget.methods.presets`); ``options`` override both.
+
+    Raises :class:`~kvbudget.errors.UnknownMethodError` for an unknown name or preset and
+    :class:`~kvbudget.errors.MethodOptionError` for an option the method does not have, an
+    allocator option it refuses, or a value it does not allow.
     """
     base, preset = preset_options(name)
-    options = {**preset, **options}
-    name = base
-    cls = method_class(name)
+    cls = method_class(base)
+    combined = combination(base)
+    options = {**(combined.options if combined else {}), **preset, **options}
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for option in ALLOCATOR_OPTIONS:
+        if option in options and option not in fields:
+            raise MethodOptionError(
+                f"{base}: option {option} does not apply: {cls.allocation_refusal(option)}",
+                base, option, options[option],
+            )  # fmt: skip
     unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise UnknownMethodError(
-            f"{name}: unknown option(s) {', '.join(unknown)}; options are {', '.join(fields) or 'none'}"
-        )
-    defaults = {k: f.default for k, f in fields.items()}
-    converted = {k: _coerce(v, defaults[k], k, name) for k, v in options.items()}
-    return cls(**converted)
+        raise MethodOptionError(
+            f"{base}: unknown option(s) {', '.join(unknown)}; options are {', '.join(fields) or 'none'}",
+            base, unknown[0], options[unknown[0]],
+        )  # fmt: skip
+    converted = {k: _coerce(v, fields[k].default, k, base) for k, v in options.items()}
+    return cls.named(base, **converted)
 
 
 def resolve_method(method: str | Method) -> Method:

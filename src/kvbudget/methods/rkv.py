@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys
@@ -75,13 +75,15 @@ class RKV(Method):
     def validate(self) -> None:
         super().validate()
         if isinstance(self.buffer, bool) or not isinstance(self.buffer, int) or self.buffer < 1:
-            raise UnknownMethodError(f"{self.name}: buffer must be an integer ≥ 1, got {self.buffer!r}")
+            raise MethodOptionError(f"{self.name}: buffer must be an integer ≥ 1, got {self.buffer!r}")
         if self.window < 1:
-            raise UnknownMethodError(f"{self.name}: window must be ≥ 1 (its queries score the entries)")
+            raise MethodOptionError(
+                f"{self.name}: window must be ≥ 1 (its queries score the entries), got {self.window}"
+            )
         if not 0.0 <= self.mix_lambda <= 1.0:
-            raise UnknownMethodError(f"{self.name}: mix_lambda must be in [0, 1], got {self.mix_lambda}")
+            raise MethodOptionError(f"{self.name}: mix_lambda must be in [0, 1], got {self.mix_lambda}")
         if not -1.0 <= self.threshold <= 1.0:
-            raise UnknownMethodError(f"{self.name}: threshold must be in [-1, 1], got {self.threshold}")
+            raise MethodOptionError(f"{self.name}: threshold must be in [-1, 1], got {self.threshold}")
 
     # ------------------------------------------------------------------ observation queries
     @property

@@ -7,18 +7,20 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.methods.base import Method
+from kvbudget.methods.composable import Composable
 from kvbudget.observation import Observation
 from kvbudget.scoring import window_scores
 
 
 @dataclass
-class SnapKV(Method):
+class SnapKV(Composable):
     """SnapKV: keep the entries the observation window attends to most.
 
     Score: attention of the last ``window`` prompt queries (softmax over all keys), summed over
     the window rows, averaged over each GQA group, pooled along keys; each head keeps its top
-    ``budget − window`` plus the window. Uniform budgets.
+    ``budget − window`` plus the window. Uniform budgets by default; ``layer_alloc`` and
+    ``head_alloc`` swap the allocators (:mod:`kvbudget.methods.composable`): ``pyramidkv``,
+    ``ada-snapkv`` and ``ada-pyramidkv`` are SnapKV with them set.
 
     Reference: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation",
     NeurIPS 2024 (arXiv:2404.14469).
@@ -27,6 +29,8 @@ class SnapKV(Method):
         window: observation window (default 32). kernel: pooling kernel (7).
         pooling: ``max`` (default) or ``avg``. reduce_rows: ``sum`` (default) or ``mean``.
         reduce_heads: GQA reduction, ``mean`` (default) or ``max``.
+        layer_alloc, head_alloc, beta, floor_alpha: the allocators
+            (:class:`~kvbudget.methods.composable.Composable`; uniform by default).
     """
 
     name: ClassVar[str] = "snapkv"

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.errors import UnknownMethodError
+from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
@@ -37,7 +37,7 @@ class StreamingLLM(Method):
     def validate(self) -> None:
         super().validate()
         if self.rerotate:
-            raise UnknownMethodError(
+            raise MethodOptionError(
                 "streamingllm: rerotate=True is not implemented; keys keep true positions"
             )
 

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from kvbudget.methods.base import Method
+from kvbudget.methods.composable import Composable
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import value_norms
 
 
 @dataclass
-class VATP(Method):
+class VATP(Composable):
     """VATP: score = accumulated attention × ``‖v_j‖₁``.
 
     The accumulated attention is that of the observation window (the last ``window`` prompt
@@ -26,6 +26,8 @@ class VATP(Method):
 
     Args:
         window: observation window, always kept (32). sinks: first tokens always kept (4).
+        layer_alloc, head_alloc, beta, floor_alpha: the allocators (uniform by default;
+            :class:`~kvbudget.methods.composable.Composable`).
     """
 
     name: ClassVar[str] = "vatp"

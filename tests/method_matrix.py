@@ -1,7 +1,8 @@
 """The list every generic test runs over: each registered method with small ("easy") options.
 
 A new method gets the no-op, budget, batch, decode and reference tests the moment it is
-registered; give it small options here if its defaults need a longer prompt than the tiny tests use.
+registered (a named combination too: every registry name runs); give it small options here if its
+defaults need a longer prompt than the tiny tests use.
 """
 
 from __future__ import annotations

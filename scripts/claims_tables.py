@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.paired import PairedDifference, paired_difference, row_column
-from kvbudget.eval.report import across_tasks
+from kvbudget.eval.report import PEER_PREFIX, across_tasks
 from kvbudget.eval.store import load_rows
 
 #: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard.md).
@@ -216,26 +216,48 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
 
     for ratio in (0.875, 0.75, 0.5, 0.25):
         out[f"leaderboard-{ratio:g}"] = leaderboard_table(rows, ratio)
+        out[f"leaderboard-{ratio:g}-shared"] = leaderboard_table(rows, ratio, shared=True)
+    out["leaderboard-kvpress"] = best_against_kvpress(rows, (0.875, 0.75, 0.5, 0.25))
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-overhead"] = laq_overhead(rows)
     return out
 
 
-def leaderboard_table(rows: list[dict], ratio: float) -> list[str]:
-    """Every label at ``ratio`` on the tasks where all of them (and the full cache) have
-    ``MIN_SAMPLES`` samples: mean over tasks ×100 with its stratified interval, then each task's mean."""
+def _complete_tasks(mine: list[dict], column: tuple[str, float]) -> dict[str, set[str]]:
+    """Each label's tasks with ``MIN_SAMPLES`` scored samples at ``column`` (the full cache: any column)."""
+    samples: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for r in mine:
+        samples[(r["label"], r["task"])].add(r["sample"])
+    labels = {r["label"] for r in mine if row_column(r) == column}
+    tasks = {r["task"] for r in mine if row_column(r) == column}
+    return {
+        label: {t for t in tasks if len(samples[(label, t)]) >= MIN_SAMPLES} for label in [*labels, "full"]
+    }
+
+
+def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> list[str]:
+    """Mean over tasks ×100 with its stratified interval, mean rank, then each task's mean.
+
+    Default: the tasks the most complete labels share (the largest task set any label finished), and
+    every label that finished all of them. ``shared``: every label at ``ratio`` (methods added later
+    and kvpress's presses included) on the tasks all of them finished."""
     column = ("r", ratio)
     mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
-    labels = sorted({r["label"] for r in mine if row_column(r) == column})
-    counts = Counter((r["task"], r["label"]) for r in mine)
-    tasks = sorted(
-        t for t in {r["task"] for r in mine if row_column(r) == column}
-        if all(counts[(t, label)] >= MIN_SAMPLES for label in [*labels, "full"])
-    )  # fmt: skip
-    if not tasks:
-        return [f"(no task finished at r={ratio:g} yet)"]
-    summary = across_tasks([r for r in mine if r["task"] in tasks], resamples=2000)
+    complete = _complete_tasks(mine, column)
+    if shared:
+        tasks = sorted(set.intersection(*complete.values())) if complete else []
+        labels = [label for label in complete if label != "full"]
+    else:
+        widest = max((complete[label] & complete["full"] for label in complete if label != "full"),
+                     key=len, default=set())  # fmt: skip
+        tasks = sorted(widest)
+        labels = [label for label in complete if label != "full" and widest <= complete[label]]
+    if not tasks or not labels:
+        return [f"(no task finished by every method at r={ratio:g} yet)"]
+    keep = {*labels, "full"}
+    mine = [r for r in mine if r["task"] in tasks and r["label"] in keep]
+    summary = across_tasks(mine, resamples=2000)
     cell = summary.scores[column]
     order = sorted(cell, key=lambda label: -cell[label].mean)
     lines = [
@@ -259,6 +281,49 @@ def leaderboard_table(rows: list[dict], ratio: float) -> list[str]:
             + " |"
         )
     return lines
+
+
+def _mean_over_tasks(rows: list[dict], label: str, column: tuple[str, float], tasks: set[str]) -> float:
+    """The mean over ``tasks`` of ``label``'s per-task mean at ``column`` (each task weighs the same)."""
+    return statistics.mean(
+        statistics.mean(
+            r["score"] for r in rows if r["label"] == label and r["task"] == t and row_column(r) == column
+        )
+        for t in sorted(tasks)
+    )
+
+
+def best_against_kvpress(rows: list[dict], ratios: tuple[float, ...]) -> list[str]:
+    """At each ratio, kvbudget's best method held to the budget against kvpress's best press, on the
+    tasks every kvpress press and both bests finished: their means and the paired difference."""
+    lines = [
+        "| ratio | kvbudget's best | kvpress's best | best − best [95% CI] | tasks |",
+        "|---|---|---|---|---|",
+    ]
+    found = False
+    for ratio in ratios:
+        column = ("r", ratio)
+        mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
+        complete = _complete_tasks(mine, column)
+        peers = [label for label in complete if label.startswith(PEER_PREFIX)]
+        if not peers:
+            continue
+        tasks = set.intersection(*(complete[label] for label in peers))
+        ours = [label for label in complete
+                if label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
+                and tasks <= complete[label]]  # fmt: skip
+        if not tasks or not ours:
+            continue
+
+        means = {label: _mean_over_tasks(mine, label, column, tasks) for label in [*ours, *peers]}
+        best_ours, best_peer = max(ours, key=means.get), max(peers, key=means.get)
+        diff = _try(rows, best_ours, best_peer, column, sorted(tasks))
+        lines.append(
+            f"| {ratio:g} | {best_ours} {100 * means[best_ours]:.1f} | "
+            f"{best_peer} {100 * means[best_peer]:.1f} | {_cell(diff)} | {len(tasks)} |"
+        )
+        found = True
+    return lines if found else ["(no kvpress rows finished yet)"]
 
 
 def update(path: Path, tables: dict[str, list[str]]) -> list[str]:

@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 from kvbudget import cli_checks as check
 from kvbudget.errors import BudgetError, KVBudgetError
+from kvbudget.units import format_bytes
 
 
 def _raw_values(args: list[str], opts: list[str]) -> list[str]:
@@ -99,14 +100,6 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 @app.command()
 @user_errors
 def methods() -> None:
@@ -124,7 +117,7 @@ def methods() -> None:
         )
         table.add_row(name, "+".join(cls.stages) or "-", cls.paper, defaults)
     console.print(table)
-    from kvbudget.models import ARCHITECTURES
+    from kvbudget.architectures import ARCHITECTURES
 
     console.print("Supported architectures: " + "; ".join(ARCHITECTURES.values()))
     from kvbudget.methods.presets import PRESET_SOURCES, PRESETS

@@ -35,7 +35,7 @@ from kvbudget.methods.base import Method
 from kvbudget.methods.lava import LAVa
 from kvbudget.methods.snapkv import SnapKV
 from kvbudget.observation import Observation
-from kvbudget.session import CompressionSession
+from kvbudget.session import CompressionSession, replay_prefill
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -358,20 +358,17 @@ class LookaheadMixin:
         # a shared prefill's window probabilities serve them too (memo keys name the query rows).
         capture.observation_memos = session.observation_memos
         clone = BudgetCache(num_layers, capture)
-        clone.attention_attached = True
-        clone.layers = [layer.shallow_copy() for layer in cache.layers]
         group = self.repeat_group(cache.layers[0], session.recorded_queries[0].shape[1])
         if group > 1:  # repeat the clone's heads only if it evicts anything
             capture.resolve(cache.layers[0].head_lengths()[:, 0].cpu())
             if self.lookahead_method == "full" or all(t is None for t in capture.targets):
                 group = 1
-        for layer_idx in range(num_layers):  # compress the clone as its prefill would have
-            if group > 1:  # one layer at a time: at most one repeated full layer exists
-                clone.layers[layer_idx] = QueryHeadLayer.repeated(clone.layers[layer_idx], group)
-            capture.after_attention(
-                layer_idx, session.recorded_queries[layer_idx], clone.layers[layer_idx], session.scaling,
-                clone.layers,
-            )  # fmt: skip
+
+        def copy(layer: BudgetLayer) -> BudgetLayer:  # one layer at a time: at most one repeated full layer
+            return QueryHeadLayer.repeated(layer.shallow_copy(), group) if group > 1 else layer.shallow_copy()
+
+        for _ in replay_prefill(clone, cache.layers, session.recorded_queries, session.scaling, copy):
+            pass  # compress the clone as its prefill would have
         capture.phase, capture.capturing = "decode", True
         device = logits.device
         stop = torch.tensor(sorted(eos), dtype=torch.long, device=device)

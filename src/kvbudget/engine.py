@@ -459,7 +459,7 @@ def generate(
         ids = generated[r]
         text_ids = ids[:-1] if ids and ids[-1] in eos else ids
         compressed_len = len(prompt.context_ids) if compress_context_only else len(prompt.ids)
-        budgets = session.budgets[r]
+        budgets = session.kept[r]
         results.append(
             GenerationResult(
                 text=tokenizer.decode(text_ids, skip_special_tokens=True),

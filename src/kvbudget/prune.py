@@ -299,7 +299,7 @@ def _finish(
     if method.two_pass and method.selected:
         inputs = _second_pass_inputs(inputs, method.selected)
         method.begin_second_pass()
-        session.budgets = None
+        session.kept = None
         cache = BudgetCache(num_layers, session)
         session.phase = "prefill"
         cut = inputs.compressed_until

@@ -38,7 +38,7 @@ class CompressionSession:
         ratio: fraction of each prompt to keep, or ``None`` with ``budget``.
 
     Attributes:
-        budgets: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
+        kept: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
             layers are compressed; an uncompressed row keeps its whole length).
         row_budgets: per batch row, the resolved budget in entries per head.
         targets: per batch row, the budget for the prefill (``None`` = the prompt fits, keep it).
@@ -65,7 +65,7 @@ class CompressionSession:
         self.budget = budget
         self.ratio = ratio
         self.phase = "prefill"
-        self.budgets: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
         self.row_budgets: list[int] | None = None
         self.targets: list[int | None] | None = None
         self.compress_seconds = 0.0
@@ -135,7 +135,7 @@ class CompressionSession:
                 if self.method.cascading and layers is not None:
                     self.method.rebalance(layers[: layer_idx + 1], self.targets)
                     for earlier in range(layer_idx):
-                        self.budgets[:, earlier] = layers[earlier].head_lengths().cpu()
+                        self.kept[:, earlier] = layers[earlier].head_lengths().cpu()
             else:
                 if self.targets is None:
                     self.resolve(layer.head_lengths()[:, 0])
@@ -143,13 +143,13 @@ class CompressionSession:
                     obs = self._prefill_observation(layer_idx, query, layer, scaling)
                     self.method.record(obs, self.targets)
                 kept = layer.head_lengths().cpu()
-            if self.budgets is None:
-                self.budgets = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
-            self.budgets[:, layer_idx] = kept
+            if self.kept is None:
+                self.kept = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
+            self.kept[:, layer_idx] = kept
             if "post_prefill" in stages and layers is not None and layer_idx == self.num_layers - 1:
                 self.method.post_prefill(layers, self.targets)
                 for i, compressed in enumerate(layers):
-                    self.budgets[:, i] = compressed.head_lengths().cpu()
+                    self.kept[:, i] = compressed.head_lengths().cpu()
             self.compress_seconds += time.perf_counter() - start
         elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
             start = time.perf_counter()

@@ -347,7 +347,7 @@ class Runner:
             )  # mask/last_pos: what decoding continues from (a two-pass method re-indexes its tokens)
             prefill_wall = time.perf_counter() - start
         stats = cache.stats(0)
-        budgets = cache.session.budgets[0].tolist()
+        budgets = cache.session.kept[0].tolist()
         step_by_step = "decode" in method.stages
         if teacher is None:  # the full-cache reference: its own answer, then its log-probs on it
             forced = copy.deepcopy(cache)

@@ -316,10 +316,10 @@ class LookaheadMixin:
             group = self.repeat_group(cache.layers[0], q_heads)
             if group > 1:  # the authors' cache holds query heads whatever the prompt's length
                 layers = len(cache.layers)
-                session.budgets = torch.zeros((session.budgets.shape[0], layers, q_heads), dtype=torch.long)
+                session.kept = torch.zeros((session.kept.shape[0], layers, q_heads), dtype=torch.long)
                 for layer_idx in range(layers):
                     self.to_query_heads(cache, layer_idx, group)
-                    session.budgets[:, layer_idx] = cache.layers[layer_idx].head_lengths().cpu()
+                    session.kept[:, layer_idx] = cache.layers[layer_idx].head_lengths().cpu()
             session.recorded_queries.clear()
             return
         start = time.perf_counter()
@@ -409,14 +409,14 @@ class LookaheadMixin:
         Runs this method's own compression (scorer, allocators, selector; cascading re-eviction
         for cascading bases) layer by layer, as its prefill would, then drops the recorded queries.
         With ``budget_per="query-head"`` each layer is first replaced by its :class:`QueryHeadLayer`
-        and ``session.budgets`` becomes ``[b, layers, q_heads]``.
+        and ``session.kept`` becomes ``[b, layers, q_heads]``.
         """
         session = cache.session
         num_layers = len(cache.layers)
         q_heads = session.recorded_queries[0].shape[1]
         group = self.repeat_group(cache.layers[0], q_heads)
         if group > 1:
-            session.budgets = torch.zeros((session.budgets.shape[0], num_layers, q_heads), dtype=torch.long)
+            session.kept = torch.zeros((session.kept.shape[0], num_layers, q_heads), dtype=torch.long)
         for layer_idx in range(num_layers):
             recorded = session.recorded_queries[layer_idx]
             if group > 1:  # the repeated full layer counts toward the peak
@@ -427,11 +427,11 @@ class LookaheadMixin:
                 layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
                 pseudo_query=record.queries[layer_idx], pseudo_valid=record.valid,
             )  # fmt: skip
-            session.budgets[:, layer_idx] = self.compress(obs, session.targets)
+            session.kept[:, layer_idx] = self.compress(obs, session.targets)
             if self.cascading:
                 self.rebalance(cache.layers[: layer_idx + 1], session.targets)
                 for earlier in range(layer_idx):
-                    session.budgets[:, earlier] = cache.layers[earlier].head_lengths().cpu()
+                    session.kept[:, earlier] = cache.layers[earlier].head_lengths().cpu()
             for noted in range(layer_idx + 1) if self.cascading else (layer_idx,):
                 cache.note_memory(noted)
         session.recorded_queries.clear()

@@ -323,7 +323,7 @@ class LookaheadMixin:
             session.recorded_queries.clear()
             return
         start = time.perf_counter()
-        record = self.look_ahead(model, cache, logits, mask, last_pos, eos)
+        record = self.pseudo_decode(model, cache, logits, mask, last_pos, eos)
         middle = time.perf_counter()
         self.reselect(cache, record)
         end = time.perf_counter()
@@ -332,7 +332,7 @@ class LookaheadMixin:
         session.compress_seconds += end - start
         self.__dict__["last_lookahead"] = record
 
-    def look_ahead(
+    def pseudo_decode(
         self,
         model: PreTrainedModel,
         cache: BudgetCache,

@@ -157,7 +157,7 @@ def merge_only(part: str | None) -> None:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from kvbudget.eval.tasks.perplexity import _austen_ids, chunked_perplexity, make_samples
+    from kvbudget.eval.tasks.perplexity import austen_ids, chunked_perplexity, make_samples
     from kvbudget.methods.d2o import D2O
     from kvbudget.methods.registry import make_method
     from kvbudget.models import load_model
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
     layers = model.config.num_hidden_layers
     kv_heads = model.config.num_key_value_heads
     samples = make_samples(tokenizer, args.length, max(passages) + 1, seed=0)
-    ids_all = _austen_ids(tokenizer)
+    ids_all = austen_ids(tokenizer)
     slowest = 0.0
     for passage, label in todo:
         elapsed = time.perf_counter() - start_all

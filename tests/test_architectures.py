@@ -33,10 +33,10 @@ from transformers import (
 )
 
 import kvbudget
+from kvbudget.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from kvbudget.cache import WINDOW_SLACK, BudgetCache
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.registry import make_method
-from kvbudget.models import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from kvbudget.observation import Observation
 from kvbudget.prune import run_layers
 from kvbudget.session import CompressionSession

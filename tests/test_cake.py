@@ -169,7 +169,7 @@ def test_cake_kept_sets_equal_reference(seed):
             assert torch.equal(k_h[0], k[0, h, pos]) and torch.equal(v_h[0], v[0, h, pos])
     assert sum(ref_steps[-1]) == (BUDGET - W) * LAYERS
     assert len(set(ref_steps[-1])) > 1  # discriminating: dynamic layer budgets
-    assert session.budgets[0].tolist() == [[b + W] * H for b in ref_steps[-1]]
+    assert session.kept[0].tolist() == [[b + W] * H for b in ref_steps[-1]]
     assert all("cake_score" not in layer.state for layer in layers)
 
 
@@ -381,7 +381,7 @@ def test_cake_authors_tau_on_a_named_tiny_model():
     ids = torch.randint(3, 90, (1, 300), generator=torch.Generator().manual_seed(4))
 
     def budgets(method) -> torch.Tensor:
-        return kvbudget.compress(model, ids, method=method, budget=128).session.budgets[0]
+        return kvbudget.compress(model, ids, method=method, budget=128).session.kept[0]
 
     unnamed = budgets(make_method("cake", authors_tau=True, window=8))
     assert torch.equal(unnamed, budgets(make_method("cake", window=8)))

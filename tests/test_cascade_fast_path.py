@@ -95,7 +95,7 @@ def run(method, model, prompts, budget, name: str, generic: bool, slack: float =
     session = CompressionSession(method, LAYERS, budget=budget)
     cache, _, _, _ = prefill(model, prompts, session, pad_id=0)
     final = [stored_positions(layer) for layer in cache.layers]
-    return steps, final, session.budgets, stored_dtypes
+    return steps, final, session.kept, stored_dtypes
 
 
 @pytest.mark.parametrize(

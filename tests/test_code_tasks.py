@@ -14,11 +14,12 @@ import re
 import pytest
 
 import kvbudget.data
+from kvbudget.data import stdlib_root
 from kvbudget.errors import InputError
 from kvbudget.eval.metrics import edit_similarity, first_code_line, last_number, normalize_number
 from kvbudget.eval.tasks import code as code_tasks
 from kvbudget.eval.tasks import gsm8k as gsm8k_tasks
-from kvbudget.eval.tasks.code import TASKS, stdlib_files, stdlib_root
+from kvbudget.eval.tasks.code import TASKS, stdlib_files
 from kvbudget.eval.tasks.infinitebench import count_tokens
 
 ROOT = stdlib_root()

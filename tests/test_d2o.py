@@ -393,12 +393,12 @@ def test_decode_loop_without_trace_decodes_the_same_tokens(llama, chat_tokenizer
 
 @pytest.mark.integration
 def test_d2o_holds_every_layer_at_its_budget_while_decoding_on_the_real_model(real_model):
-    """Ratio 0.2, 40 greedy steps on smollm2 (the 512-step run is in docs/results.md): after every
+    """Ratio 0.2, 40 greedy steps on smollm2 (the 512-step run is in docs/claims.md, D2O): after every
     step every layer's physical length equals its D2O budget, in every KV head."""
-    from kvbudget.eval.tasks.perplexity import _austen_ids
+    from kvbudget.eval.tasks.perplexity import austen_ids
 
     model, tokenizer = real_model
-    ids = torch.tensor([list(_austen_ids(tokenizer)[1000:1400])])
+    ids = torch.tensor([list(austen_ids(tokenizer)[1000:1400])])
     method = make_method("d2o")
     cache = kvbudget.compress(model, ids, method=method, ratio=0.2)
     planned = method.layer_budgets(0)

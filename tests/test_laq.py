@@ -547,7 +547,7 @@ def test_query_head_laq_end_to_end_matches_the_authors_selection(kind, monkeypat
     # 4. accounting: g·B entries per KV group; the kv-head default holds B
     stats = cache.stats()
     assert tuple(stats.entries.shape) == (layers, hq) and stats.entries.eq(budget).all()
-    assert tuple(cache.session.budgets.shape) == (1, layers, hq) and cache.session.budgets.eq(budget).all()
+    assert tuple(cache.session.kept.shape) == (1, layers, hq) and cache.session.kept.eq(budget).all()
     entry_bytes = 2 * model.model.layers[0].self_attn.head_dim * 4  # fp32 key + value
     assert stats.logical_bytes == layers * hq * budget * entry_bytes
     default = kvbudget.compress(model, PROMPT_IDS, method=make_method("laq", **QH_OPTIONS), budget=budget)

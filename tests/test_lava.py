@@ -339,7 +339,7 @@ def test_lava_kept_sets_equal_eq6_alg1_alg2_reference(seed):
             assert set(range(N - W, N)) <= set(pos)  # the protected window
             q, k, v = inputs[layer_idx]
             assert torch.equal(k_h[0], k[0, h, pos]) and torch.equal(v_h[0], v[0, h, pos])
-    assert session.budgets[0].tolist() == [[len(ref_kept[i][h]) for h in range(H)] for i in range(LAYERS)]
+    assert session.kept[0].tolist() == [[len(ref_kept[i][h]) for h in range(H)] for i in range(LAYERS)]
     assert sum(ref_steps[-1]) == (BUDGET - W) * LAYERS * H  # the total is exact
     assert len(set(ref_steps[-1])) > 1  # discriminating: the layer budgets are dynamic
     assert any(len(ref_kept[i][0]) != len(ref_kept[i][1]) for i in range(LAYERS))  # dynamic heads
@@ -374,7 +374,7 @@ def test_lava_uniform_is_alg1_at_the_uniform_budget(seed):
         expected = ref_evict(ref_lava_scores(inputs[layer_idx]), (BUDGET - W) * H)
         for h in range(H):
             assert layer.head(h)[2][0].tolist() == sorted(expected[h])
-    assert session.budgets[0].sum(1).eq(H * BUDGET).all()
+    assert session.kept[0].sum(1).eq(H * BUDGET).all()
 
 
 def test_lava_value_norm_max_includes_the_window():
@@ -405,14 +405,14 @@ def test_lava_nohead_splits_each_dynamic_layer_budget_evenly(seed):
             check_cut([scores[layer_idx][h][j] for j in order], count)
             top = order[:count]
             assert layer.head(h)[2][0].tolist() == sorted(set(top) | set(range(N - W, N)))
-    assert int(session.budgets[0].sum()) == BUDGET * LAYERS * H
+    assert int(session.kept[0].sum()) == BUDGET * LAYERS * H
 
 
 def test_lava_pyramid_uses_pyramid_layer_budgets():
     inputs = make_inputs(SEEDS[0])
     layers, session, _ = run_library("lava-pyramid", LAVA_OPTIONS, inputs)
     # PyramidKV with B=10, L=24, w=4, 4 layers: 16, 12, 8, 4 entries per head (by hand)
-    assert session.budgets[0].sum(1).tolist() == [H * c for c in (16, 12, 8, 4)]
+    assert session.kept[0].sum(1).tolist() == [H * c for c in (16, 12, 8, 4)]
 
 
 # ------------------------------------------------------------------------------ the authors' floor
@@ -591,7 +591,7 @@ def test_lava_on_a_model_budgets_only_shrink_and_sum_exactly(budget, monkeypatch
     for before, after in zip(history, history[1:], strict=False):
         assert all(a <= b for a, b in zip(after, before, strict=False))
     assert int(cache.stats().entries.sum()) == layers * heads * budget
-    assert torch.equal(cache.session.budgets[0], cache.stats().entries)
+    assert torch.equal(cache.session.kept[0], cache.stats().entries)
     # the cache's own accounting never held two full layers at once: one full layer, plus the
     # earlier layers within the lazy re-eviction's slack of their budgets
     full_layer = 150 * heads * cache.layers[0].entry_bytes()

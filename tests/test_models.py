@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvbudget import models
+from kvbudget.architectures import SUPPORTED_MODEL_TYPES
 from kvbudget.errors import ArtifactError, KVBudgetError, UnsupportedModelError
 from kvbudget.models import ModelSpec, WheelPart, fetch_model, is_fetched, kvbudget_home, load_model
 
@@ -143,7 +144,7 @@ def test_registry_entries_are_consistent() -> None:
     assert models.DEFAULT_MODEL in models.MODELS
     for name, spec in models.MODELS.items():
         assert spec.name == name
-        assert spec.model_type in models.SUPPORTED_MODEL_TYPES
+        assert spec.model_type in SUPPORTED_MODEL_TYPES
         assert sum(part.member_size for part in spec.parts) == spec.gguf_size
         for digest in [spec.gguf_sha256, *(p.wheel_sha256 for p in spec.parts)]:
             assert len(digest) == 64 and int(digest, 16) >= 0

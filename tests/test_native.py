@@ -70,7 +70,7 @@ def test_generate_with_cache_equals_kvbudget_generate(name, llama, tokenizer):
     with kvbudget.CompressingCache(llama, small(name), budget=budget) as cache:
         [generated] = _hf_generate(llama, tokenizer, ids, cache)
     assert generated == reference.token_ids
-    assert cache.budgets[0].equal(reference.budgets)  # the same entries kept per layer and head
+    assert cache.kept[0].equal(reference.budgets)  # the same entries kept per layer and head
     assert cache.get_seq_length() == ids.shape[1] + len(generated) - 1
 
 
@@ -81,7 +81,7 @@ def test_ratio_equals_kvbudget_generate(llama, tokenizer):
     with kvbudget.CompressingCache(llama, small("snapkv"), ratio=0.3) as cache:
         [generated] = _hf_generate(llama, tokenizer, ids, cache, max_new_tokens=12)
     assert generated == reference.token_ids
-    assert int(cache.budgets[0, 0, 0]) == round(0.3 * ids.shape[1])
+    assert int(cache.kept[0, 0, 0]) == round(0.3 * ids.shape[1])
 
 
 @pytest.mark.parametrize("name", ["snapkv", "streamingllm"])

@@ -158,9 +158,9 @@ def test_press_names_accept_aliases_and_all_and_refuse_unknown_ones():
 
 
 def test_a_missing_peer_python_is_a_one_line_error_before_any_model_loads(tmp_path, monkeypatch):
-    import kvbudget
+    import kvbudget.models
 
-    monkeypatch.setattr(kvbudget, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(kvbudget.models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     missing = tmp_path / "no-venv" / "bin" / "python"
     result = CliRunner().invoke(app, [
         "eval", "--out", str(tmp_path / "out"), "--model", "no-such-model", "--compression-ratios", "0.5",

@@ -62,6 +62,19 @@ def test_prune_methods_score_chunks_on_their_pruned_prefix(name):
     assert pruned.max_entries_per_head == 24 + 32 and pruned.tokens == 200 - 32  # first chunk: 32
 
 
+def test_lookahead_methods_compress_each_prefix_after_looking_ahead():
+    """A lookahead method compresses after the prefill (its lookahead stage), so each prefix is held
+    at the budget like a prefill-stage method's, and the answer differs from the full cache's."""
+    model = tiny_model()
+    method = make_method("laq", kernel=3, lookahead_window=4, steps=4)
+    small = chunked_perplexity(model, IDS, method, budget=24, chunk=32)
+    assert small.max_entries_per_head == 24 + 32  # compressed prefix + the scored chunk
+    assert method.last_lookahead.tokens.shape == (1, 4)  # it looked ahead (4 pseudo tokens)
+    full = chunked_perplexity(model, IDS, make_method("full"), None, chunk=32, first_chunk=32)
+    assert small.tokens == full.tokens
+    assert small.nll != pytest.approx(full.nll, abs=1e-6)
+
+
 def test_a_profiled_method_looks_parameters_up_at_the_passages_ratio(monkeypatch):
     """Each prefill sees budget / prefix tokens; the lookup uses budget / T (or the given ratio),
     only during the call: a pin made before is restored after."""

@@ -1,4 +1,4 @@
-"""Reference tests: what every registered method keeps equals an independent computation of METHODS.md.
+"""Reference tests: what every registered method keeps equals an independent computation from its paper.
 
 For each method of ``kvbudget.method_names()`` a small fixed input (2 KV heads, GQA groups of 2,
 24 tokens, head dim 8) is compressed through ``method.compress`` (and, for the decode-stage methods,
@@ -9,7 +9,7 @@ a hand-written softmax over each causal prefix, pooling by explicit sliding wind
 counted by sorting all ``(score, head, token)`` triples, PyramidKV budgets by the formula and by
 hand.
 
-Ties: METHODS.md does not say how equal scores are broken, and max pooling copies one value to its
+Ties: the papers do not say how equal scores are broken, and max pooling copies one value to its
 neighbours, so a plateau can straddle a top-k cut. A reference selection is therefore a
 :class:`Choice` — the entries scored clearly above the cut (all must be kept) plus the entries tied
 with it within ``TOL`` (any of them may fill the rest); with no tie at the cut it is one exact set
@@ -173,7 +173,7 @@ def window_scores(
     heads: str = "mean",
     span: int | None = None,
 ) -> list[list[float]]:
-    """WS(w, kernel, pool, reduce) of METHODS.md: per KV head, scores of the first N − w keys.
+    """WS(w, kernel, pool, reduce), the window score: per KV head, scores of the first N − w keys.
 
     ``span`` (a wrong variant, only to show the fixture tells them apart) pools over the first
     ``span`` columns instead of cutting the window columns off before pooling.
@@ -205,7 +205,7 @@ class Choice:
     """A reference selection of one head: ``count`` entries, all of ``sure`` plus some of ``tied``.
 
     ``tied`` holds the entries whose score equals (within ``TOL``) the score at the cut — e.g. a
-    max-pooling plateau split by the cut. METHODS.md does not say how such ties are broken, so any
+    max-pooling plateau split by the cut. The papers do not say how such ties are broken, so any
     pick among them is accepted; with no tie at the cut, ``tied`` is empty and the set is exact.
     """
 
@@ -252,7 +252,7 @@ def window_keep(scores: list[list[float]], caps: list[int], w: int) -> list[Choi
 
 
 def pyramid_cap(budget: int, length: int, w: int, layer: int, layers: int, beta: int = 20) -> int:
-    """PyramidKV layer budget, written from METHODS.md."""
+    """PyramidKV layer budget, written from the paper (docs/methods.md)."""
     if length <= budget:
         return length
     b_prime = budget - w

@@ -58,7 +58,7 @@ def test_derived_prune_method_equals_its_own_prefill(name, agnostic, llama, chat
     )
     assert derived.selection_layers == own.selection_layers
     assert any(layer is not None for layer in own.selection_layers)  # the method did cut
-    assert torch.equal(d_cache.session.budgets, cache.session.budgets)
+    assert torch.equal(d_cache.session.kept, cache.session.kept)
     assert torch.equal(d_logits, logits) and torch.equal(d_mask, mask) and torch.equal(d_last, last_pos)
     assert _layers_equal(d_cache, cache)
     assert d_cache.session.phase == "decode"
@@ -105,7 +105,7 @@ def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat
     if agnostic:
         prefix = inputs.compressed_until
         assert cache.get_seq_length() == inputs.ids.shape[1] > prefix
-    assert torch.equal(cache.session.budgets, torch.stack([r.budgets for r in layer_wise]))
+    assert torch.equal(cache.session.kept, torch.stack([r.budgets for r in layer_wise]))
     decoded = decode_loop(llama, cache, logits, inputs.mask, inputs.positions[:, -1], eos, 10)
     assert decoded.generated == [r.token_ids for r in layer_wise]
     assert _layers_equal(cache, layer_wise[0].cache)

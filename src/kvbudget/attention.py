@@ -41,9 +41,10 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvbudget.architectures import SUPPORTED_MODEL_TYPES
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import UnsupportedModelError
-from kvbudget.models import SUPPORTED_MODEL_TYPES
+from kvbudget.masks import attention_mask_for, causal_visibility, window_visibility
 
 ATTENTION_NAME = "kvbudget"
 
@@ -85,59 +86,6 @@ def kvbudget_mask(
     return PaddingInfo(padding=padding, q_length=q_length)
 
 
-def _causal_visibility(n_keys: int, q: int, device: torch.device) -> torch.Tensor:
-    """``[q, n_keys]`` bool: old keys visible to every new query, new keys causally."""
-    n_old = n_keys - q
-    cols = torch.arange(n_keys, device=device)
-    rows = torch.arange(q, device=device)
-    return (cols[None, :] < n_old) | (cols[None, :] - n_old <= rows[:, None])
-
-
-def window_visibility(positions: torch.Tensor, q: int, window: int) -> torch.Tensor:
-    """Sliding-window visibility: ``[b, 1, q, n]`` (``positions: [b, n]``) or ``[b, h, q, n]``
-    (``[b, h, n]``), True where the key's position is ``> p − window`` for the query at position
-    ``p``; the queries are the tokens of the last ``q`` keys. Invalid (``-1``) queries see every key
-    here (their rows are masked by validity elsewhere)."""
-    keys = positions if positions.dim() == 3 else positions[:, None]
-    queries = keys[..., -q:]
-    return (keys[..., None, :] > queries[..., :, None] - window) | (queries[..., :, None] < 0)
-
-
-def attention_mask_for(
-    positions: torch.Tensor, q: int, has_invalid: bool, window: int | None = None
-) -> torch.Tensor | None:
-    """Boolean attention mask for ``q`` new queries over keys whose positions are ``positions``.
-
-    Args:
-        positions: ``[b, n]`` or ``[b, h, n]`` logical positions of the keys (``-1`` = invalid);
-            the last ``q`` keys are the new tokens.
-        q: number of new queries.
-        has_invalid: whether any key may be invalid.
-        window: the layer's sliding window (``None`` = global attention): keys at positions
-            ``≤ p − window`` are hidden from the query at position ``p``.
-
-    Returns:
-        ``None`` when no mask is needed, else a bool mask broadcastable to ``[b, heads, q, n]``
-        (True = attend). Invalid queries attend to themselves only, avoiding empty rows.
-    """
-    n = positions.shape[-1]
-    if not has_invalid and q == 1 and window is None:
-        return None
-    mask = _causal_visibility(n, q, positions.device)
-    if window is not None:
-        mask = mask & window_visibility(positions, q, window)
-    if has_invalid:
-        valid = positions >= 0
-        if valid.dim() == 2:
-            valid = valid[:, None, None, :]
-        else:
-            valid = valid[:, :, None, :]
-        diagonal = torch.zeros_like(mask)
-        diagonal[..., n - q :] = torch.eye(q, dtype=torch.bool, device=mask.device)
-        mask = (mask & valid) | diagonal
-    return mask
-
-
 def softcapped_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -177,7 +125,7 @@ def _sdpa(
     if softcap is not None:
         if is_causal:
             n, q = key.shape[2], query.shape[2]
-            mask = _causal_visibility(n, q, query.device)
+            mask = causal_visibility(n, q, query.device)
         return softcapped_attention(query, key, value, mask, scaling, softcap)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=True
@@ -234,7 +182,7 @@ def _plain_attention(
         padding = info.padding if isinstance(info, PaddingInfo) else None
         if padding is None and (q == n or q == 1) and (window is None or n <= window):
             return _sdpa(query, key, value, None, scaling, softcap, is_causal=q > 1 and q == n)
-        mask = _causal_visibility(n, q, query.device)[None, None]
+        mask = causal_visibility(n, q, query.device)[None, None]
         if window is not None:
             index = torch.arange(n, device=query.device)
             mask = mask & window_visibility(index[None], q, window)
@@ -285,7 +233,7 @@ def kvbudget_attention(
     if cache.session is not None:
         cache.session.after_attention(layer_idx, query, layer, scale, cache.layers)
         cache.note_memory(layer_idx)
-        if cache.session.method.edits_earlier_layers and cache.session.phase == "prefill":
+        if cache.session.edits_earlier_layers and cache.session.phase == "prefill":
             for earlier in range(layer_idx):  # re-evicted (cascading) or compressed after the last layer
                 cache.note_memory(earlier)
     return out.transpose(1, 2).contiguous(), None

@@ -29,16 +29,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbudget.errors import KVBudgetError
-
-if TYPE_CHECKING:
-    from kvbudget.session import CompressionSession
-
 
 #: keys ``[*lead, n, d]``, values ``[*lead, n, d]`` and positions ``[*lead, n]`` of one layout
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -47,6 +43,39 @@ Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 WINDOW_SLACK = 32
 #: session phases whose forwards drop a sliding-window layer's stale entries (see ``BudgetCache.update``)
 WINDOW_TRIM_PHASES = ("prefill", "decode", "off")
+
+
+class CacheSession(Protocol):
+    """What a :class:`BudgetCache` and the ``kvbudget`` attention ask of the session riding on the
+    cache: :class:`kvbudget.session.CompressionSession` in the engine (the cache sits below it and
+    knows it only through this)."""
+
+    #: what the next forward is: ``"prefill"``, ``"decode"``, ``"record"``, ``"off"`` (see
+    #: :mod:`kvbudget.session`), or a method's own pass over a cache
+    phase: str
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the session's method compresses at all (a layer's first fill is then dropped
+        soon, so the cache gives it no room to decode into)."""
+        ...
+
+    @property
+    def edits_earlier_layers(self) -> bool:
+        """Whether compressing a layer may change earlier layers too (their sizes are re-counted)."""
+        ...
+
+    def after_attention(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        layer: BudgetLayer,
+        scaling: float,
+        layers: list[BudgetLayer] | None = None,
+    ) -> None:
+        """Called by the attention with the layer's post-RoPE queries ``[b, q_heads, q, d]`` once the
+        layer's attention output is computed (``layers``: every layer of the cache)."""
+        ...
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -612,10 +641,11 @@ class BudgetCache(Cache):
 
     Args:
         num_layers: decoder layers of the model (``config.num_hidden_layers``).
-        session: the active compression session, or ``None`` for a cache that only stores.
+        session: the active compression session (a :class:`CacheSession`), or ``None`` for a cache
+            that only stores.
     """
 
-    def __init__(self, num_layers: int, session: CompressionSession | None = None) -> None:
+    def __init__(self, num_layers: int, session: CacheSession | None = None) -> None:
         super().__init__(layers=[BudgetLayer() for _ in range(num_layers)])
         self.session = session
         self.attention_attached = False
@@ -635,7 +665,7 @@ class BudgetCache(Cache):
                 "call kvbudget.attach(model) first"
             )
         # room to decode into, unless the session is about to compress (and drop) this storage
-        room = self.session is None or not self.session.method.stages
+        room = self.session is None or not self.session.compresses
         if layer.sliding_window is not None and self.pruned_slots is None and self._may_trim():
             layer.drop_outside_window(slack=min(WINDOW_SLACK, layer.sliding_window))
         if self.pruned_slots is None:

@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 from kvbudget import cli_checks as check
 from kvbudget.errors import BudgetError, KVBudgetError
+from kvbudget.units import format_bytes
 
 
 def _raw_values(args: list[str], opts: list[str]) -> list[str]:
@@ -88,14 +89,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 @app.command()
 @user_errors
 def methods() -> None:
@@ -139,7 +132,7 @@ def methods() -> None:
         )
     console.print(allocators)
     console.print(f"{' and '.join(ALLOCATOR_OPTIONS)} do not apply to (refused): " + ", ".join(refused))
-    from kvbudget.models import ARCHITECTURES
+    from kvbudget.architectures import ARCHITECTURES
 
     console.print("Supported architectures: " + "; ".join(ARCHITECTURES.values()))
     from kvbudget.methods.presets import PRESET_SOURCES, PRESETS

@@ -99,7 +99,8 @@ def results_folder(out: Path) -> Path:
 def model_source(name: str, *, fetched: bool = True) -> None:
     """``name`` is a registry model (fetched, when ``fetched``), a local Hugging Face folder of a
     supported architecture, or a ``.gguf`` file; checked from names and ``config.json`` only."""
-    from kvbudget.models import MODELS, SUPPORTED_MODEL_TYPES, is_fetched
+    from kvbudget.architectures import SUPPORTED_MODEL_TYPES
+    from kvbudget.models import MODELS, is_fetched
 
     if name in MODELS:
         if fetched and not is_fetched(name):
@@ -183,7 +184,7 @@ def profile_prompt(spec: str) -> None:
         data_fetched("janeaustenr")
         return
     if source.startswith("stdlib/"):
-        from kvbudget.eval.tasks.code import stdlib_root
+        from kvbudget.data import stdlib_root
 
         path = stdlib_root() / source.removeprefix("stdlib/")
         if not path.is_file():

@@ -21,6 +21,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sysconfig
 import tomllib
 import zipfile
 import zlib
@@ -293,6 +294,11 @@ def _member(name: str, member: str) -> Path:
     if not path.is_file():
         raise ArtifactError(f"{path} is missing; run {_fetch_command(name)} again")
     return path
+
+
+def stdlib_root() -> Path:
+    """The standard library directory of the running interpreter (the code tasks' source, no fetch)."""
+    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def essay_text() -> str:

@@ -20,11 +20,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvbudget.cli import format_bytes
 from kvbudget.data import fetch_data
 from kvbudget.engine import GenerationResult, build_prompt, generate
 from kvbudget.eval.tasks.needle import needle_sample
 from kvbudget.models import MODELS, fetch_model, load_model, resolve_dtype
+from kvbudget.units import format_bytes
 
 METHODS = ("full", "snapkv", "ada-snapkv")
 #: The model and dtype of ``make demo`` (the leaderboard's: methods separate there).

@@ -3,9 +3,10 @@
 ``generate`` prefills the whole prompt (question-aware, the papers' setting) or only the context
 (``compress_context_only=True``, question-agnostic, then the question is appended uncompressed),
 compressing each layer right after its attention, then decodes greedily (or with temperature /
-top-p) while decode-stage methods keep the cache at budget. Post-prefill methods (the lookahead
-of :mod:`kvbudget.methods.lookahead`) compress the whole prefilled part at once, right after it
-(:func:`run_lookahead`), before the question of a question-agnostic run is appended.
+top-p) while decode-stage methods keep the cache at budget. Lookahead methods
+(:mod:`kvbudget.methods.lookahead`) compress the whole prefilled part at once, right after it
+(:func:`kvbudget.prefill.run_lookahead`), before the question of a question-agnostic run is
+appended. The prefill steps themselves live in :mod:`kvbudget.prefill`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from kvbudget.cache import BudgetCache, CacheStats, full_cache_stats
 from kvbudget.errors import BudgetError, InputError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
+from kvbudget.prefill import (
+    PrefillInputs,
+    append_uncompressed,
+    eos_ids,
+    forward_last_logits,
+    prefill_compressed_part,
+    run_lookahead,
+)
+from kvbudget.prune import prune_prefill
 from kvbudget.session import CompressionSession
 
 
@@ -137,7 +147,7 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def _check_budget(method: Method, budget: int | None, ratio: float | None, max_context: int) -> None:
+def check_budget(method: Method, budget: int | None, ratio: float | None, max_context: int) -> None:
     if budget is not None and ratio is not None:
         raise BudgetError("give either budget or ratio, not both")
     if budget is not None:
@@ -150,7 +160,7 @@ def _check_budget(method: Method, budget: int | None, ratio: float | None, max_c
         raise BudgetError(f"ratio must be in (0, 1], got {ratio!r}")
 
 
-def _check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int]) -> None:
+def check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int]) -> None:
     if ratio is None:
         return
     for length in lengths:
@@ -160,23 +170,6 @@ def _check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int]
                 f"ratio {ratio} keeps {budget} of a {length}-token prompt, below the {method.min_budget()} "
                 f"entries {method.name} always keeps; use a larger ratio or budget"
             )
-
-
-def model_eos_ids(model: PreTrainedModel) -> set[int]:
-    """End-of-answer ids the model's generation config declares."""
-    return eos_ids(model, None)
-
-
-def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
-    ids: set[int] = set()
-    generation_config = getattr(model, "generation_config", None)
-    tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
-    for source in (getattr(generation_config, "eos_token_id", None), tokenizer_eos):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source is not None:
-            ids.update(source)
-    return ids
 
 
 def _next_token(
@@ -194,45 +187,14 @@ def _next_token(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def forward_last_logits(
-    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BudgetCache
-) -> torch.Tensor:
-    """One forward over ``ids: [b, q]``; returns the last position's logits ``[b, vocab]``."""
-    out = model(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        position_ids=positions.to(model.device),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return out.logits[:, -1]
-
-
 def selection_layer(method: Method, row: int) -> int | None:
     """The layer after which a prune-stage method cut batch row ``row`` (None: nothing pruned)."""
     layers = getattr(method, "selection_layers", None)
     return None if layers is None else layers[row]
 
 
-def _max_context(model: PreTrainedModel) -> int:
+def model_max_context(model: PreTrainedModel) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-
-
-@dataclass
-class PrefillInputs:
-    """A left-padded batch ready to prefill.
-
-    Attributes:
-        ids, mask, positions: ``[b, T]`` token ids, padding mask and RoPE positions.
-        compressed_until: the prefill's first chunk ``ids[:, :compressed_until]`` is the part
-            compressed; the rest (the question, question-agnostic mode) is appended uncompressed.
-    """
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    compressed_until: int
 
 
 def prefill_inputs(prompts: list[Prompt], pad_id: int, compress_context_only: bool = False) -> PrefillInputs:
@@ -252,49 +214,26 @@ def prefill_inputs(prompts: list[Prompt], pad_id: int, compress_context_only: bo
     return PrefillInputs(ids, mask, positions, cut)
 
 
-def prefill_compressed_part(
-    model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
-) -> torch.Tensor:
-    """Prefill ``inputs.ids[:, :compressed_until]`` into ``cache``; its last logits ``[b, vocab]``."""
-    cut = inputs.compressed_until
-    return forward_last_logits(
-        model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache
-    )
+def prefill_batch(
+    model: PreTrainedModel, inputs: PrefillInputs, session: CompressionSession, eos: set[int] | None = None
+) -> tuple[BudgetCache, torch.Tensor, PrefillInputs]:
+    """Prefill ``inputs`` into a new BudgetCache with ``session``'s method (attached model, prepared
+    method): prune-stage methods through :func:`kvbudget.prune.prune_prefill` (the engine's own layer
+    loop, deeper layers on selected tokens); the others layer by layer, then a lookahead method's
+    lookahead (``eos`` ends it; default: the model's). The uncompressed question of a
+    question-agnostic batch is appended last.
 
-
-def run_lookahead(
-    model: PreTrainedModel,
-    inputs: PrefillInputs,
-    cache: BudgetCache,
-    logits: torch.Tensor,
-    eos: set[int] | None = None,
-) -> None:
-    """Let a lookahead method compress ``cache`` after the compressed part was prefilled.
-
-    ``logits: [b, vocab]`` are the compressed part's last logits; ``eos`` the ids ending an answer
-    (default: the model's). No-op for other methods.
+    Returns the cache, the last position's logits ``[b, vocab]`` and the inputs the cache describes
+    (``inputs`` itself, or a two-pass method's selected tokens with re-indexed positions).
     """
-    session = cache.session
-    if session is None or "lookahead" not in session.method.stages:
-        return
-    cut = inputs.compressed_until
-    if eos is None:
-        eos = model_eos_ids(model)
-    mask, last_pos = inputs.mask[:, :cut], inputs.positions[:, cut - 1]
-    session.prompt_ids = inputs.ids[:, :cut]
-    session.method.run_lookahead(model, cache, logits, mask, last_pos, eos)
-
-
-def append_uncompressed(
-    model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
-) -> torch.Tensor | None:
-    """Prefill the part after ``compressed_until`` with the session off; its last logits, or None."""
-    if inputs.compressed_until == inputs.ids.shape[1]:
-        return None
-    if cache.session is not None:
-        cache.session.phase = "off"
-    cut = inputs.compressed_until
-    return forward_last_logits(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
+    if "prune" in session.method.stages:
+        return prune_prefill(model, inputs, session)
+    cache = BudgetCache(model.config.num_hidden_layers, session)
+    session.phase = "prefill"
+    logits = prefill_compressed_part(model, inputs, cache)
+    run_lookahead(model, inputs, cache, logits, eos)
+    question_logits = append_uncompressed(model, inputs, cache)
+    return cache, logits if question_logits is None else question_logits, inputs
 
 
 @torch.inference_mode()
@@ -307,10 +246,8 @@ def prefill(
     eos: set[int] | None = None,
 ) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefill ``prompts`` (left-padded batch) into a new BudgetCache, compressing layer by layer
-    (lookahead methods: right after the compressed part; ``eos`` ends their lookahead).
-
-    Prune-stage methods run through :func:`kvbudget.prune.prune_prefill` (the engine's own layer
-    loop, deeper layers on selected tokens).
+    (lookahead methods: right after the compressed part; ``eos`` ends their lookahead; prune-stage
+    methods in the engine's own layer loop): see :func:`prefill_batch`.
 
     Returns the cache, the last position's logits ``[b, vocab]``, the 2-D attention mask
     ``[b, T]`` and the position of each row's last token ``[b]`` — what decoding continues from
@@ -319,17 +256,7 @@ def prefill(
     attach(model)
     session.method.prepare(model)
     inputs = prefill_inputs(prompts, pad_id, compress_context_only)
-    if "prune" in session.method.stages:  # the engine runs the layers itself (kvbudget.prune)
-        from kvbudget.prune import prune_prefill
-
-        cache, logits, inputs = prune_prefill(model, inputs, session)
-        return cache, logits, inputs.mask, inputs.positions[:, -1]
-    cache = BudgetCache(model.config.num_hidden_layers, session)
-    session.phase = "prefill"
-    logits = prefill_compressed_part(model, inputs, cache)
-    run_lookahead(model, inputs, cache, logits, eos)
-    question_logits = append_uncompressed(model, inputs, cache)
-    logits = logits if question_logits is None else question_logits
+    cache, logits, inputs = prefill_batch(model, inputs, session, eos)
     return cache, logits, inputs.mask, inputs.positions[:, -1]
 
 
@@ -337,6 +264,8 @@ def prefill(
 class Decoded:
     """Output of :func:`decode_loop`: per row the generated ids, plus step count and time.
 
+    ``seconds``: wall time of the decode steps after the first token; ``first_token_seconds``: of
+    choosing the first token from the prompt's logits.
     ``trace[r]``: row ``r``'s total logical entries after each decode step that fed it a token.
     ``step_seconds[i]``: wall time of decode step ``i`` (its forward and the choice of its token).
     """
@@ -346,6 +275,47 @@ class Decoded:
     seconds: float
     trace: list[list[int]] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    first_token_seconds: float = 0.0
+
+
+@dataclass
+class RunTimes:
+    """Wall-clock seconds of one prefill and decode, as ``generate``, the evaluation rows and the
+    benchmarks report them.
+
+    Attributes:
+        prefill_wall: the prefill, its compression included (``prefill`` + ``compress``).
+        compress: the compression work inside it (the session's ``compress_seconds``).
+        first_token: choosing the first token from the prompt's last logits.
+        decode: the decode steps after the first token; steps: how many.
+    """
+
+    prefill_wall: float
+    compress: float
+    first_token: float
+    decode: float
+    steps: int
+
+    @classmethod
+    def of(cls, prefill_wall: float, session: CompressionSession, decoded: Decoded) -> RunTimes:
+        """The times of a prefill that took ``prefill_wall`` with ``session``, then ``decoded``."""
+        first, decode = decoded.first_token_seconds, decoded.seconds
+        return cls(prefill_wall, session.compress_seconds, first, decode, decoded.steps)
+
+    @property
+    def prefill(self) -> float:
+        """The prefill's forward passes alone."""
+        return self.prefill_wall - self.compress
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: the prefill with its compression, then the first token."""
+        return self.prefill_wall + self.first_token
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (NaN when no step ran)."""
+        return self.decode / self.steps if self.steps else math.nan
 
 
 @torch.inference_mode()
@@ -369,6 +339,7 @@ def decode_loop(
     ``trace=False`` skips counting the cache's entries after every step (``Decoded.trace`` stays
     empty per row): the benchmarks time the decode loop without that bookkeeping.
     """
+    first_start = time.perf_counter()
     generator = generator or torch.Generator().manual_seed(0)
     if cache.session is not None:
         cache.session.phase = "decode"
@@ -378,6 +349,7 @@ def decode_loop(
     traces: list[list[int]] = [[] for _ in generated]
     step_seconds: list[float] = []
     steps, start = 0, time.perf_counter()
+    first_token_seconds = start - first_start
     for _ in range(max_new_tokens - 1):
         if bool(finished.all()):
             break
@@ -395,7 +367,7 @@ def decode_loop(
                 generated[r].append(t)
                 finished[r] = t in eos
         step_seconds.append(time.perf_counter() - step_start)
-    return Decoded(generated, steps, time.perf_counter() - start, traces, step_seconds)
+    return Decoded(generated, steps, time.perf_counter() - start, traces, step_seconds, first_token_seconds)
 
 
 def _row_entries(cache: BudgetCache) -> list[int]:
@@ -449,8 +421,8 @@ def generate(
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
-    max_context = _max_context(model)
-    _check_budget(method_obj, budget, ratio, max_context)
+    max_context = model_max_context(model)
+    check_budget(method_obj, budget, ratio, max_context)
     prompts = [
         build_prompt(tokenizer, c, q, a) for c, q, a in zip(contexts, questions, prefixes, strict=True)
     ]
@@ -461,7 +433,7 @@ def generate(
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the model's context "
                 f"of {max_context} tokens"
             )
-    _check_ratio_budgets(
+    check_ratio_budgets(
         method_obj, ratio, [len(p.context_ids) if compress_context_only else len(p.ids) for p in prompts]
     )
 
@@ -473,14 +445,13 @@ def generate(
 
     start = time.perf_counter()
     cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only, eos)
-    prefill_seconds = time.perf_counter() - start
+    prefill_wall = time.perf_counter() - start
     stats_after = [cache.stats(r) for r in range(len(prompts))]
-    start = time.perf_counter()
     decoded = decode_loop(
         model, cache, logits, mask, last_pos, eos, max_new_tokens, temperature, top_p, generator
     )  # fmt: skip
-    ttft = prefill_seconds + (time.perf_counter() - start - decoded.seconds)  # + choosing the first token
-    generated, steps, decode_time = decoded.generated, decoded.steps, decoded.seconds
+    times = RunTimes.of(prefill_wall, session, decoded)
+    generated = decoded.generated
 
     entry_bytes = cache.layers[0].entry_bytes()
     results = []
@@ -488,25 +459,25 @@ def generate(
         ids = generated[r]
         text_ids = ids[:-1] if ids and ids[-1] in eos else ids
         compressed_len = len(prompt.context_ids) if compress_context_only else len(prompt.ids)
-        budgets = session.budgets[r]
+        budgets = session.kept[r]
         results.append(
             GenerationResult(
                 text=tokenizer.decode(text_ids, skip_special_tokens=True),
                 token_ids=ids,
-                ttft_s=ttft,
-                tpot_s=decode_time / steps if steps else math.nan,
-                compress_s=session.compress_seconds,
+                ttft_s=times.ttft,
+                tpot_s=times.tpot,
+                compress_s=times.compress,
                 cache_stats_before=full_cache_stats(
                     config.num_hidden_layers, config.num_key_value_heads, compressed_len, entry_bytes
                 ),
                 cache_stats_after=stats_after[r],
                 budgets=budgets,
                 timings={
-                    "prefill": ttft - session.compress_seconds,
-                    "compress": session.compress_seconds,
+                    "prefill": times.prefill,
+                    "compress": times.compress,
                     "lookahead": session.lookahead_seconds,
                     "reselect": session.reselect_seconds,
-                    "decode": decode_time,
+                    "decode": times.decode,
                     "decode_trim": session.decode_seconds,
                 },
                 prompt_tokens=len(prompt.ids),
@@ -539,26 +510,19 @@ def compress(
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
-    _check_budget(method_obj, budget, ratio, _max_context(model))
+    check_budget(method_obj, budget, ratio, model_max_context(model))
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise InputError(
             f"input_ids must be [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}"
         )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    _check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())
+    check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())
     attach(model)
     method_obj.prepare(model)
     session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = PrefillInputs(input_ids, attention_mask, positions, input_ids.shape[1])
-    if "prune" in method_obj.stages:
-        from kvbudget.prune import prune_prefill
-
-        cache, _, _ = prune_prefill(model, inputs, session)
-    else:
-        cache = BudgetCache(model.config.num_hidden_layers, session)
-        logits = prefill_compressed_part(model, inputs, cache)
-        run_lookahead(model, inputs, cache, logits)
+    cache, _, _ = prefill_batch(model, inputs, session)
     session.phase = "decode"
     return cache

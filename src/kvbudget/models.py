@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbudget.architectures import SUPPORTED_MODEL_TYPES
 from kvbudget.artifacts import check_hash as _check_hash
 from kvbudget.artifacts import file_lock as _file_lock
 from kvbudget.artifacts import kvbudget_home
@@ -41,11 +42,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "ARCHITECTURES",
     "DEFAULT_MODEL",
     "MODELS",
     "SUPPORTED_DTYPES",
-    "SUPPORTED_MODEL_TYPES",
     "ModelSpec",
     "WheelPart",
     "fetch_model",
@@ -54,30 +53,8 @@ __all__ = [
     "load_model",
     "model_dir",
     "resolve_dtype",
+    "resolve_source",
 ]
-
-#: Architectures (``config.model_type``) whose attention kvbudget's hook can serve.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "llama",
-    "qwen2",
-    "mistral",
-    "qwen3",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-)
-
-#: The supported architectures by name, with what the attention hook handles for each (for listings
-#: such as ``kvbudget methods``; see docs/architecture.md, "Supported architectures").
-ARCHITECTURES: dict[str, str] = {
-    "llama": "Llama",
-    "qwen2": "Qwen2 (sliding-window layers too)",
-    "mistral": "Mistral (sliding window)",
-    "qwen3": "Qwen3 (query/key norms)",
-    "gemma2": "Gemma 2 (local/global layers, logit soft-capping)",
-    "gemma3_text": "Gemma 3 text (local/global layers, query/key norms)",
-    "phi3": "Phi-3 (fused QKV, sliding window)",
-}
 
 #: The model used when none is named.
 DEFAULT_MODEL = "smollm2-135m"
@@ -491,8 +468,9 @@ def convert_gguf_cached(gguf: str | os.PathLike[str], progress: bool = False) ->
     return target / "hf"
 
 
-def _resolve_source(name_or_path: str | os.PathLike[str]) -> Path:
-    """Map a registry name, HF directory or GGUF file to a local Hugging Face directory."""
+def resolve_source(name_or_path: str | os.PathLike[str]) -> Path:
+    """Map a registry name, HF directory or GGUF file to a local Hugging Face directory (a GGUF file
+    is converted once and cached)."""
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         if not is_fetched(name_or_path):
             raise ArtifactError(
@@ -532,11 +510,12 @@ def load_model(
 
     Raises :class:`ArtifactError` for a registry model that is not fetched, a missing GGUF file or
     tokenizer, :class:`UnsupportedModelError` for an architecture outside
-    :data:`SUPPORTED_MODEL_TYPES`, and :class:`KVBudgetError` for anything else unusable.
+    :data:`~kvbudget.architectures.SUPPORTED_MODEL_TYPES`, and :class:`KVBudgetError` for anything
+    else unusable.
     """
     torch_dtype = resolve_dtype(dtype)
     dev = _resolve_device(device)
-    source = _resolve_source(name_or_path)
+    source = resolve_source(name_or_path)
     _check_model_type(_local_model_type(source), source=str(name_or_path))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -51,20 +51,17 @@ from kvbudget.attention import attach, attached, check_supported, detach, is_att
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.engine import (
     Prompt,
-    _check_budget,
-    _check_ratio_budgets,
-    _max_context,
-    append_uncompressed,
     build_prompt,
+    check_budget,
+    check_ratio_budgets,
     decode_loop,
-    eos_ids,
-    prefill_compressed_part,
+    model_max_context,
     prefill_inputs,
-    run_lookahead,
 )
 from kvbudget.errors import InputError, KVBudgetError, UnsupportedMethodError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
+from kvbudget.prefill import append_uncompressed, eos_ids, prefill_compressed_part, run_lookahead
 from kvbudget.session import CompressionSession
 
 #: attribute of a model held attached by open CompressingCaches (see :class:`_Hold`)
@@ -127,7 +124,7 @@ class _GenerateSession(CompressionSession):
     ) -> None:
         """``query: [b, q_heads, q, d]``: the prefill compresses, a later ``q > 1`` appends uncompressed."""
         if self.phase == "prefill" and layer_idx == 0 and self.ratio is not None:
-            _check_ratio_budgets(self.method, self.ratio, layer.head_lengths()[:, 0].tolist())
+            check_ratio_budgets(self.method, self.ratio, layer.head_lengths()[:, 0].tolist())
         if self.phase == "decode" and query.shape[2] > 1:
             return
         super().after_attention(layer_idx, query, layer, scaling, layers)
@@ -167,7 +164,7 @@ class CompressingCache(BudgetCache):
         check_generate_compatible(method_obj)
         if budget is None and ratio is None:
             budget = 128
-        _check_budget(method_obj, budget, ratio, _max_context(model))
+        check_budget(method_obj, budget, ratio, model_max_context(model))
         method_obj.prepare(model)
         layers = model.config.num_hidden_layers
         super().__init__(layers, _GenerateSession(method_obj, layers, budget=budget, ratio=ratio))
@@ -180,9 +177,9 @@ class CompressingCache(BudgetCache):
         return self.session.method
 
     @property
-    def budgets(self) -> torch.Tensor | None:
+    def kept(self) -> torch.Tensor | None:
         """``[batch, layers, kv_heads]`` entries kept per head after the prefill (``None`` before it)."""
-        return self.session.budgets
+        return self.session.kept
 
     def copy(self) -> CompressingCache:
         """An independent copy (entries, method state, phase): e.g. compress a context once with
@@ -253,8 +250,8 @@ def answer(
         )
     if budget is None and ratio is None:
         budget = 128
-    max_context = _max_context(model)
-    _check_budget(method_obj, budget, ratio, max_context)
+    max_context = model_max_context(model)
+    check_budget(method_obj, budget, ratio, max_context)
     prompts = [build_prompt(tokenizer, context, q, answer_prefix) for q in questions]
     for prompt in prompts:
         if len(prompt.ids) + max_new_tokens > max_context:
@@ -264,7 +261,7 @@ def answer(
             )
     if any(p.context_ids != prompts[0].context_ids for p in prompts):
         raise KVBudgetError("the context tokenises differently before different questions: cannot share it")
-    _check_ratio_budgets(method_obj, ratio, [len(prompts[0].context_ids)])
+    check_ratio_budgets(method_obj, ratio, [len(prompts[0].context_ids)])
     with attached(model):
         return _answer_each(model, tokenizer, prompts, method_obj, budget, ratio, max_new_tokens)
 

@@ -7,7 +7,7 @@ Everything costly is computed on demand and memoised: window probabilities are c
 The probabilities are the attention the model computes: the queries are the ones its attention
 received (after query norms and RoPE), Gemma 2's logit soft-capping applies (``layer.softcap``)
 and a sliding-window layer's queries see only the keys inside their window
-(``layer.sliding_window``, as :func:`kvbudget.attention.attention_mask_for`).
+(``layer.sliding_window``, as :func:`kvbudget.masks.attention_mask_for`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbudget.attention import attention_mask_for
 from kvbudget.cache import BudgetLayer
+from kvbudget.masks import attention_mask_for
 
 #: queries per block of :meth:`Observation.column_sums` (its logits stay in the CPU cache)
 QUERY_BLOCK = 64

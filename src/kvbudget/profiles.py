@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvbudget.errors import InputError, ProfileError
+from kvbudget.version import __version__
 
 FORMAT = "kvbudget-profile"
 FORMAT_VERSION = 1
@@ -65,8 +66,6 @@ def config_hash(config: Any) -> str:
 
 
 def kvbudget_version() -> str:
-    from kvbudget import __version__
-
     return __version__
 
 
@@ -129,7 +128,7 @@ def prompt_from_spec(spec: str, tokenizer: Any) -> ProfilePrompt:
         text = text[max(start, 0) :]
         kind = "text"
     elif source.startswith("stdlib/"):
-        from kvbudget.eval.tasks.code import stdlib_root
+        from kvbudget.data import stdlib_root
 
         path = stdlib_root() / source.removeprefix("stdlib/")
         if not path.is_file():
@@ -255,14 +254,12 @@ def kv_importance(head_similarity: torch.Tensor, num_kv_heads: int) -> torch.Ten
 
 
 class _QueryRecorder:
-    """Stands in for a compression session on a :class:`~kvbudget.cache.BudgetCache`: the kvbudget
-    attention hands it each layer's post-RoPE queries ``[1, q_heads, T, d]``; nothing is compressed."""
+    """The :class:`~kvbudget.cache.CacheSession` of a profiling forward: the kvbudget attention hands
+    it each layer's post-RoPE queries ``[1, q_heads, T, d]``; nothing is compressed."""
 
     phase = "record"
-
-    class method:  # noqa: N801 - the attribute the cache and the attention read
-        stages: tuple[str, ...] = ()
-        edits_earlier_layers = False
+    compresses = False
+    edits_earlier_layers = False
 
     def __init__(self) -> None:
         self.queries: dict[int, torch.Tensor] = {}
@@ -284,7 +281,7 @@ def capture_queries(model: PreTrainedModel, ids: Sequence[int]) -> list[torch.Te
 
     layers = len(decoder_layers(model))
     recorder = _QueryRecorder()
-    cache = BudgetCache(layers, session=recorder)  # type: ignore[arg-type]
+    cache = BudgetCache(layers, session=recorder)
     device = next(model.parameters()).device
     with attached(model):
         model(torch.tensor([list(ids)], device=device), past_key_values=cache, use_cache=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,13 +29,10 @@ from transformers import PreTrainedModel
 
 from kvbudget.attention import PaddingInfo, attach, check_supported
 from kvbudget.cache import BudgetCache
-from kvbudget.engine import PrefillInputs, append_uncompressed
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.prune_base import PruneMethod
-from kvbudget.session import CompressionSession
-
-if TYPE_CHECKING:
-    from kvbudget.snapshot import Snapshot
+from kvbudget.prefill import PrefillInputs, Snapshot, append_uncompressed
+from kvbudget.session import CompressionSession, replay_prefill
 
 
 @dataclass
@@ -248,15 +244,8 @@ def derive_pruned(
     num_layers = model.config.num_hidden_layers
     method.begin_prune(inputs.ids.shape[0], num_layers)
     cache = BudgetCache(num_layers, session)
-    cache.attention_attached = True
-    session.phase = "prefill"
     logits: torch.Tensor | None = snapshot.logits
-    for layer_idx, layer in enumerate(snapshot.cache.layers):
-        cache.layers[layer_idx] = layer.shallow_copy()
-        session.after_attention(
-            layer_idx, snapshot.queries[layer_idx], cache.layers[layer_idx], snapshot.scaling, cache.layers
-        )
-        cache.note_memory(layer_idx)
+    for layer_idx in replay_prefill(cache, snapshot.cache.layers, snapshot.queries, snapshot.scaling):
         if method.two_pass:
             if method.selected and method.scouting_done(session.targets):
                 logits = None
@@ -310,7 +299,7 @@ def _finish(
     if method.two_pass and method.selected:
         inputs = _second_pass_inputs(inputs, method.selected)
         method.begin_second_pass()
-        session.budgets = None
+        session.kept = None
         cache = BudgetCache(num_layers, session)
         session.phase = "prefill"
         cut = inputs.compressed_until

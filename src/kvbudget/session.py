@@ -16,6 +16,7 @@ prefill is done.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from kvbudget.observation import Observation
 
 if TYPE_CHECKING:
-    from kvbudget.cache import BudgetLayer
+    from kvbudget.cache import BudgetCache, BudgetLayer
     from kvbudget.methods.base import Method
 
 
@@ -37,7 +38,7 @@ class CompressionSession:
         ratio: fraction of each prompt to keep, or ``None`` with ``budget``.
 
     Attributes:
-        budgets: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
+        kept: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
             layers are compressed; an uncompressed row keeps its whole length).
         row_budgets: per batch row, the resolved budget in entries per head.
         targets: per batch row, the budget for the prefill (``None`` = the prompt fits, keep it).
@@ -64,7 +65,7 @@ class CompressionSession:
         self.budget = budget
         self.ratio = ratio
         self.phase = "prefill"
-        self.budgets: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
         self.row_budgets: list[int] | None = None
         self.targets: list[int | None] | None = None
         self.compress_seconds = 0.0
@@ -75,6 +76,16 @@ class CompressionSession:
         self.scaling: float | None = None
         self.observation_memos: dict[int, dict] | None = None
         self.prompt_ids: torch.Tensor | None = None
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the method compresses at any stage (what the cache asks, see ``CacheSession``)."""
+        return bool(self.method.stages)
+
+    @property
+    def edits_earlier_layers(self) -> bool:
+        """Whether compressing a layer may change earlier ones (``Method.edits_earlier_layers``)."""
+        return self.method.edits_earlier_layers
 
     def _prefill_observation(
         self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float
@@ -124,7 +135,7 @@ class CompressionSession:
                 if self.method.cascading and layers is not None:
                     self.method.rebalance(layers[: layer_idx + 1], self.targets)
                     for earlier in range(layer_idx):
-                        self.budgets[:, earlier] = layers[earlier].head_lengths().cpu()
+                        self.kept[:, earlier] = layers[earlier].head_lengths().cpu()
             else:
                 if self.targets is None:
                     self.resolve(layer.head_lengths()[:, 0])
@@ -132,16 +143,44 @@ class CompressionSession:
                     obs = self._prefill_observation(layer_idx, query, layer, scaling)
                     self.method.record(obs, self.targets)
                 kept = layer.head_lengths().cpu()
-            if self.budgets is None:
-                self.budgets = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
-            self.budgets[:, layer_idx] = kept
+            if self.kept is None:
+                self.kept = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
+            self.kept[:, layer_idx] = kept
             if "post_prefill" in stages and layers is not None and layer_idx == self.num_layers - 1:
                 self.method.post_prefill(layers, self.targets)
                 for i, compressed in enumerate(layers):
-                    self.budgets[:, i] = compressed.head_lengths().cpu()
+                    self.kept[:, i] = compressed.head_lengths().cpu()
             self.compress_seconds += time.perf_counter() - start
         elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
             start = time.perf_counter()
             obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
             self.method.decode_step(obs, self.row_budgets)
             self.decode_seconds += time.perf_counter() - start
+
+
+def replay_prefill(
+    cache: BudgetCache,
+    full_layers: Sequence[BudgetLayer],
+    queries: Mapping[int, torch.Tensor],
+    scaling: float,
+    copy: Callable[[BudgetLayer], BudgetLayer] | None = None,
+) -> Iterator[int]:
+    """Compress ``cache`` as a layer-wise prefill would have, from the layers of a full cache.
+
+    Layer by layer, a copy of ``full_layers[i]`` (``layer.shallow_copy()``, sharing its tensors, or
+    ``copy(layer)``) goes into ``cache`` and the cache's session (a :class:`CompressionSession`)
+    gets the layer's post-RoPE ``queries[i]: [b, q_heads, n, d]`` and ``scaling`` through
+    ``after_attention``, in ``"prefill"`` phase, as the attention hook hands them over during a
+    prefill; the layers the session changed are re-counted in the cache's memory. Yields each layer
+    index once the session has seen that layer, so a caller may stop early (the deeper layers of
+    ``cache`` then stay empty).
+    """
+    session = cache.session
+    cache.attention_attached = True
+    session.phase = "prefill"
+    for layer_idx, full in enumerate(full_layers):
+        cache.layers[layer_idx] = full.shallow_copy() if copy is None else copy(full)
+        session.after_attention(layer_idx, queries[layer_idx], cache.layers[layer_idx], scaling, cache.layers)
+        for noted in range(layer_idx + 1) if session.edits_earlier_layers else (layer_idx,):
+            cache.note_memory(noted)  # a cascading or post-prefill method also edited earlier layers
+        yield layer_idx

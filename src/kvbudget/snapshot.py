@@ -21,49 +21,24 @@ snapshot instead of once per (method, budget).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache
-from kvbudget.engine import PrefillInputs, append_uncompressed, prefill_compressed_part, run_lookahead
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.full import FullCache
+from kvbudget.prefill import (
+    PrefillInputs,
+    Snapshot,
+    append_uncompressed,
+    prefill_compressed_part,
+    run_lookahead,
+)
 from kvbudget.prune import decoder_parts, derive_pruned
-from kvbudget.session import CompressionSession
-
-
-@dataclass
-class Snapshot:
-    """A full prefill of the compressed part of a prompt batch.
-
-    Attributes:
-        inputs: the padded batch (see :class:`~kvbudget.engine.PrefillInputs`).
-        cache: the uncompressed cache after the compressed part.
-        queries: per layer, the post-RoPE queries ``[b, q_heads, n, d]`` of that part.
-        scaling: the attention's softmax scale.
-        logits: last-position logits ``[b, vocab]`` of the compressed part.
-        seconds: wall time of the prefill.
-        hidden: per layer, its output hidden states ``[b, n, hidden]`` (with ``hidden_states=True``
-            only: prune-stage methods derive from them).
-        memos: per layer, the prefill observation memo shared by every derived run.
-    """
-
-    inputs: PrefillInputs
-    cache: BudgetCache
-    queries: dict[int, torch.Tensor]
-    scaling: float
-    logits: torch.Tensor
-    seconds: float
-    hidden: list[torch.Tensor] | None = None
-    memos: dict[int, dict] = field(default_factory=dict)
-
-    @property
-    def agnostic(self) -> bool:
-        return self.inputs.compressed_until < self.inputs.ids.shape[1]
+from kvbudget.session import CompressionSession, replay_prefill
 
 
 @torch.inference_mode()
@@ -138,13 +113,8 @@ def derive(
         session.phase = "decode"
         return cache, logits, inputs.mask, inputs.positions[:, -1]
     cache = BudgetCache(num_layers, session)
-    cache.attention_attached = True
-    cache.layers = [layer.shallow_copy() for layer in snapshot.cache.layers]
-    session.phase = "prefill"
-    for layer_idx, layer in enumerate(cache.layers):
-        session.after_attention(layer_idx, snapshot.queries[layer_idx], layer, snapshot.scaling, cache.layers)
-        for noted in range(layer_idx + 1) if method.edits_earlier_layers else (layer_idx,):
-            cache.note_memory(noted)  # a cascading or post-prefill method also edited earlier layers
+    for _ in replay_prefill(cache, snapshot.cache.layers, snapshot.queries, snapshot.scaling):
+        pass  # every layer
     run_lookahead(model, snapshot.inputs, cache, snapshot.logits, eos)
     logits = append_uncompressed(model, snapshot.inputs, cache)
     session.phase = "decode"

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.errors import InputError
-from kvbudget.eval.tasks.perplexity import _austen_ids, chunked_perplexity, make_samples
+from kvbudget.eval.tasks.perplexity import austen_ids, chunked_perplexity, make_samples
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import Profile, load_profile, save_profile
 
@@ -69,7 +69,7 @@ def grid_points(grid: dict[str, Sequence[float]], names: Sequence[str]) -> list[
 
 def passages(tokenizer: PreTrainedTokenizerBase, length: int, count: int, seed: int) -> list[torch.Tensor]:
     """``count`` Austen passages of exactly ``length`` tokens (the perplexity task's seeded offsets)."""
-    ids = _austen_ids(tokenizer)
+    ids = austen_ids(tokenizer)
     samples = make_samples(tokenizer, length, count, seed)
     return [torch.tensor([ids[s.meta["offset"] : s.meta["offset"] + length]]) for s in samples]
 

@@ -81,7 +81,7 @@ def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
 
 def measure(spec: MeasureSpec) -> dict[str, Any]:
     """Run ``spec`` in this process and return its row (see :mod:`kvbudget.bench.grid`)."""
-    from kvbudget.engine import decode_loop, prefill
+    from kvbudget.engine import RunTimes, decode_loop, prefill
     from kvbudget.eval.runner import MethodSpec
     from kvbudget.models import load_model
     from kvbudget.session import CompressionSession
@@ -111,17 +111,16 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     prefill_wall = time.perf_counter() - start
     after_prefill = cache.stats()
     decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
-    total_wall = time.perf_counter() - start
-    first_token = total_wall - prefill_wall - decoded.seconds
+    times = RunTimes.of(prefill_wall, session, decoded)
     after_decode = cache.stats()
     peak = peak_rss_bytes()
     return {
         **asdict(spec),
         "prompt_tokens": len(prompt.ids),
-        "ttft_s": prefill_wall + first_token,
-        "tpot_s": decoded.seconds / decoded.steps if decoded.steps else float("nan"),
-        "compress_s": session.compress_seconds,
-        "prefill_s": prefill_wall - session.compress_seconds,
+        "ttft_s": times.ttft,
+        "tpot_s": times.tpot,
+        "compress_s": times.compress,
+        "prefill_s": times.prefill,
         "decode_steps": decoded.steps,
         "decode_trim_s": session.decode_seconds,
         "peak_rss_bytes": peak,

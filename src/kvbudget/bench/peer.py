@@ -338,7 +338,7 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     each side's runs to ``kvpress.jsonl`` / ``ours.jsonl`` (field ``repeat``), the summary to
     ``peer.json`` and ``peer.md``; returns the path of ``peer.json``."""
     from kvbudget.engine import eos_ids
-    from kvbudget.models import _resolve_source, load_model
+    from kvbudget.models import load_model, resolve_source
 
     config.validate()
     python = peer_python_path(config.peer_python)
@@ -353,7 +353,7 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     jobs = make_jobs(config)
     (out / "jobs.json").write_text(json.dumps(jobs, indent=1))
     rows: dict[str, list[dict[str, Any]]] = {"kvpress": [], "ours": []}
-    servers = {"kvpress": kvpress_server(python, _resolve_source(config.model), out / "samples.jsonl",
+    servers = {"kvpress": kvpress_server(python, resolve_source(config.model), out / "samples.jsonl",
                                          out / "jobs.json", config.dtype)}  # fmt: skip
     try:
         servers["ours"] = ours_server(config.model, out / "samples.jsonl", out / "jobs.json", config.dtype)

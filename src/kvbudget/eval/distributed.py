@@ -111,11 +111,11 @@ class SampleWorker:
     def __init__(self, config: dict[str, Any], model_source: str, device: str, threads: int) -> None:
         import torch
 
-        import kvbudget
+        from kvbudget.models import load_model
 
         torch.set_num_threads(threads)
         config = EvalConfig(**config)
-        model, tokenizer = kvbudget.load_model(model_source, dtype=config.dtype, device=device)
+        model, tokenizer = load_model(model_source, dtype=config.dtype, device=device)
         self.runner = Runner(config, None, model=model, tokenizer=tokenizer, progress=False)
 
     def tokenizer(self) -> Any:

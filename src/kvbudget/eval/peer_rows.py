@@ -223,7 +223,7 @@ def run_peer_rows(
     from tqdm.auto import tqdm
 
     from kvbudget.eval.runner import MethodSpec, Runner, ratio_budget
-    from kvbudget.models import _resolve_source
+    from kvbudget.models import resolve_source
 
     names = press_names(presses)
     python_path, versions = peer_python(python)
@@ -235,7 +235,7 @@ def run_peer_rows(
     layers, heads = lm_config.num_hidden_layers, lm_config.num_key_value_heads
     head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
     entry_bytes = 2 * head_dim * runner.model.dtype.itemsize  # one key and one value
-    model_dir = _resolve_source(config.model)
+    model_dir = resolve_source(config.model)
     jobs = make_jobs(names, config.compression_ratios, question_aware=not config.compress_context_only)
     specs = [PressSpec.of(job["method"].removeprefix(PREFIX)) for job in jobs]
     full = MethodSpec.parse("full")

@@ -47,8 +47,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-import kvbudget
-from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs, selection_layer
+from kvbudget import engine, models
+from kvbudget.engine import RunTimes, build_prompt, decode_loop, prefill_inputs, selection_layer
 from kvbudget.errors import BudgetError, KVBudgetError
 from kvbudget.eval.draft import decode_with_draft
 from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agreement
@@ -61,8 +61,9 @@ from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method, method_names
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.models import resolve_dtype
+from kvbudget.prefill import Snapshot, eos_ids
 from kvbudget.session import CompressionSession
-from kvbudget.snapshot import Snapshot, derive, take_snapshot
+from kvbudget.snapshot import derive, take_snapshot
 
 
 def ratio_budget(compression_ratio: float, compressed_tokens: int) -> int:
@@ -171,7 +172,7 @@ class Runner:
         if not config.budgets and not config.compression_ratios and any(s.name != "full" for s in self.specs):
             raise BudgetError("no budgets: give budgets (entries per KV head) or compression ratios")
         if load and (model is None or tokenizer is None):
-            model, tokenizer = kvbudget.load_model(config.model, dtype=config.dtype, device=device)
+            model, tokenizer = models.load_model(config.model, dtype=config.dtype, device=device)
         self.model, self.tokenizer = model, tokenizer
         self.store = ResultStore(self.out / "results.jsonl") if self.out is not None else None
         if model is not None:
@@ -308,45 +309,42 @@ class Runner:
         start = time.perf_counter()
         if snapshot is not None:
             cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
-            prefill_s = snapshot.seconds
-            if "prune" in method.stages:  # plus the deeper layers it ran on the kept tokens
-                prefill_s += time.perf_counter() - start - cache.session.compress_seconds
+            if "prune" in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
+                prefill_wall = snapshot.seconds + time.perf_counter() - start
+            else:  # deriving is compressing
+                prefill_wall = snapshot.seconds + cache.session.compress_seconds
         else:
             session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
-            cache, logits, mask, last_pos = kvbudget.engine.prefill(
+            cache, logits, mask, last_pos = engine.prefill(
                 self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
             )  # mask/last_pos: what decoding continues from (a two-pass method re-indexes its tokens)
-            prefill_s = time.perf_counter() - start - session.compress_seconds
-        setup_s = time.perf_counter() - start
-        compress_s = cache.session.compress_seconds
+            prefill_wall = time.perf_counter() - start
         stats = cache.stats(0)
-        budgets = cache.session.budgets[0].tolist()
+        budgets = cache.session.kept[0].tolist()
         step_by_step = "decode" in method.stages
-        start = time.perf_counter()
         if teacher is None:  # the full-cache reference: its own answer, then its log-probs on it
             forced = copy.deepcopy(cache)
             decoded = decode_loop(self.model, cache, logits, mask, last_pos, self.eos, sample.max_new_tokens)
-            ids, steps, decode_s, accepted = decoded.generated[0], decoded.steps, decoded.seconds, 0
-            first_token_s = time.perf_counter() - start - decode_s
+            ids, accepted = decoded.generated[0], 0
+            times = RunTimes.of(prefill_wall, cache.session, decoded)
             logprobs = teacher_forced_logprobs(self.model, forced, logits, ids, mask, last_pos, step_by_step)
         else:  # the reference answer is a draft: one pass gives log-probs and the agreeing prefix
             drafted = decode_with_draft(
                 self.model, cache, logits, teacher.token_ids, mask, last_pos, self.eos,
                 sample.max_new_tokens, step_by_step, candidates,
             )  # fmt: skip
-            ids, steps, decode_s = drafted.token_ids, drafted.steps, drafted.seconds
-            accepted = drafted.accepted
-            logprobs, first_token_s = drafted.logprobs, 0.0  # the first token is argmax(logits)
+            ids, accepted, logprobs = drafted.token_ids, drafted.accepted, drafted.logprobs
+            compress_s = cache.session.compress_seconds  # the first token is argmax(logits): no time
+            times = RunTimes(prefill_wall, compress_s, 0.0, drafted.seconds, drafted.steps)
         text_ids = ids[:-1] if ids and ids[-1] in self.eos else ids
-        ttft = (prefill_s + compress_s if snapshot is not None else setup_s) + first_token_s
         return RunOutcome(
             token_ids=ids,
             text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
             logprobs=logprobs,
-            ttft_s=ttft,
-            prefill_s=prefill_s,
-            compress_s=compress_s,
-            tpot_s=decode_s / steps if steps else math.nan,
+            ttft_s=times.ttft,
+            prefill_s=times.prefill,
+            compress_s=times.compress,
+            tpot_s=times.tpot,
             stats=stats.as_dict(),
             budgets=budgets,
             draft_accepted=accepted,

@@ -339,7 +339,7 @@ class KVzip(Method):
                 budgets[layer_idx][r] = counts[layer_idx]
         for layer_idx, layer in enumerate(cache.layers):
             layer.keep(select_keep(scores[layer_idx], budgets[layer_idx], valid, protected))
-            session.budgets[:, layer_idx] = layer.head_lengths().cpu()
+            session.kept[:, layer_idx] = layer.head_lengths().cpu()
             cache.note_memory(layer_idx)
 
 

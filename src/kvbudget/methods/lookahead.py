@@ -38,7 +38,7 @@ from kvbudget.methods.lava import LAVa
 from kvbudget.methods.snapkv import SnapKV
 from kvbudget.methods.streamingllm import StreamingLLM
 from kvbudget.observation import Observation
-from kvbudget.session import CompressionSession
+from kvbudget.session import CompressionSession, replay_prefill
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -324,14 +324,14 @@ class LookaheadMixin:
             group = self.repeat_group(cache.layers[0], q_heads)
             if group > 1:  # the authors' cache holds query heads whatever the prompt's length
                 layers = len(cache.layers)
-                session.budgets = torch.zeros((session.budgets.shape[0], layers, q_heads), dtype=torch.long)
+                session.kept = torch.zeros((session.kept.shape[0], layers, q_heads), dtype=torch.long)
                 for layer_idx in range(layers):
                     self.to_query_heads(cache, layer_idx, group)
-                    session.budgets[:, layer_idx] = cache.layers[layer_idx].head_lengths().cpu()
+                    session.kept[:, layer_idx] = cache.layers[layer_idx].head_lengths().cpu()
             session.recorded_queries.clear()
             return
         start = time.perf_counter()
-        record = self.look_ahead(model, cache, logits, mask, last_pos, eos)
+        record = self.pseudo_decode(model, cache, logits, mask, last_pos, eos)
         middle = time.perf_counter()
         self.reselect(cache, record)
         end = time.perf_counter()
@@ -340,7 +340,7 @@ class LookaheadMixin:
         session.compress_seconds += end - start
         self.__dict__["last_lookahead"] = record
 
-    def look_ahead(
+    def pseudo_decode(
         self,
         model: PreTrainedModel,
         cache: BudgetCache,
@@ -366,20 +366,17 @@ class LookaheadMixin:
         # a shared prefill's window probabilities serve them too (memo keys name the query rows).
         capture.observation_memos = session.observation_memos
         clone = BudgetCache(num_layers, capture)
-        clone.attention_attached = True
-        clone.layers = [layer.shallow_copy() for layer in cache.layers]
         group = self.repeat_group(cache.layers[0], session.recorded_queries[0].shape[1])
         if group > 1:  # repeat the clone's heads only if it evicts anything
             capture.resolve(cache.layers[0].head_lengths()[:, 0].cpu())
             if self.lookahead_method == "full" or all(t is None for t in capture.targets):
                 group = 1
-        for layer_idx in range(num_layers):  # compress the clone as its prefill would have
-            if group > 1:  # one layer at a time: at most one repeated full layer exists
-                clone.layers[layer_idx] = QueryHeadLayer.repeated(clone.layers[layer_idx], group)
-            capture.after_attention(
-                layer_idx, session.recorded_queries[layer_idx], clone.layers[layer_idx], session.scaling,
-                clone.layers,
-            )  # fmt: skip
+
+        def copy(layer: BudgetLayer) -> BudgetLayer:  # one layer at a time: at most one repeated full layer
+            return QueryHeadLayer.repeated(layer.shallow_copy(), group) if group > 1 else layer.shallow_copy()
+
+        for _ in replay_prefill(clone, cache.layers, session.recorded_queries, session.scaling, copy):
+            pass  # compress the clone as its prefill would have
         capture.phase, capture.capturing = "decode", True
         device = logits.device
         stop = torch.tensor(sorted(eos), dtype=torch.long, device=device)
@@ -420,14 +417,14 @@ class LookaheadMixin:
         Runs this method's own compression (scorer, allocators, selector; cascading re-eviction
         for cascading bases) layer by layer, as its prefill would, then drops the recorded queries.
         With ``budget_per="query-head"`` each layer is first replaced by its :class:`QueryHeadLayer`
-        and ``session.budgets`` becomes ``[b, layers, q_heads]``.
+        and ``session.kept`` becomes ``[b, layers, q_heads]``.
         """
         session = cache.session
         num_layers = len(cache.layers)
         q_heads = session.recorded_queries[0].shape[1]
         group = self.repeat_group(cache.layers[0], q_heads)
         if group > 1:
-            session.budgets = torch.zeros((session.budgets.shape[0], num_layers, q_heads), dtype=torch.long)
+            session.kept = torch.zeros((session.kept.shape[0], num_layers, q_heads), dtype=torch.long)
         for layer_idx in range(num_layers):
             recorded = session.recorded_queries[layer_idx]
             if group > 1:  # the repeated full layer counts toward the peak
@@ -438,11 +435,11 @@ class LookaheadMixin:
                 layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
                 pseudo_query=record.queries[layer_idx], pseudo_valid=record.valid,
             )  # fmt: skip
-            session.budgets[:, layer_idx] = self.compress(obs, session.targets)
+            session.kept[:, layer_idx] = self.compress(obs, session.targets)
             if self.cascading:
                 self.rebalance(cache.layers[: layer_idx + 1], session.targets)
                 for earlier in range(layer_idx):
-                    session.budgets[:, earlier] = cache.layers[earlier].head_lengths().cpu()
+                    session.kept[:, earlier] = cache.layers[earlier].head_lengths().cpu()
             for noted in range(layer_idx + 1) if self.cascading else (layer_idx,):
                 cache.note_memory(noted)
         session.recorded_queries.clear()

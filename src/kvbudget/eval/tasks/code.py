@@ -36,7 +36,6 @@ import hashlib
 import os
 import platform
 import random
-import sysconfig
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from kvbudget.data import stdlib_root
 from kvbudget.errors import InputError
 from kvbudget.eval.metrics import edit_similarity
 from kvbudget.eval.sample import Sample
@@ -56,11 +56,6 @@ MAX_NEW_TOKENS = 64  # LongBench's dataset2maxlen for lcc and repobench-p
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _EXCLUDED_DIRS = frozenset({"site-packages", "__pycache__", "encodings", "pydoc_data", "__phello__"})
 _AIM = 0.015  # cut window; the verified context is within TOLERANCE (2%)
-
-
-def stdlib_root() -> Path:
-    """The standard library directory of the running interpreter."""
-    return Path(sysconfig.get_paths()["stdlib"])
 
 
 @lru_cache(maxsize=8)

@@ -6,8 +6,9 @@ The text is read in chunks of ``chunk`` tokens; each chunk's tokens are predicte
 * **decode-stage methods** (StreamingLLM, H2O, TOVA, ...): one running cache, trimmed back to the
   budget after every chunk, so it never holds more than ``budget + chunk`` entries;
 * **prefill-stage methods** (SnapKV, AdaKV, ...): each chunk's prefix is prefilled and compressed
-  once, then the chunk is scored on that compressed prefix (prune-stage methods prefill it with
-  their pruned forward; two-pass methods' re-indexed positions continue into the chunk);
+  once as :func:`kvbudget.engine.prefill_batch` does, then the chunk is scored on that compressed
+  prefix (prune-stage methods prefill it with their pruned forward, two-pass methods' re-indexed
+  positions continue into the chunk; lookahead methods look ahead from the prefix's end);
 * **full**: the whole passage in one forward.
 
 Deviation from token-by-token evaluation: chunks of 32 tokens (default) see each other causally
@@ -27,18 +28,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache
 from kvbudget.data import austen_novels
-from kvbudget.engine import PrefillInputs
+from kvbudget.engine import prefill_batch
 from kvbudget.errors import BudgetError, InputError
 from kvbudget.eval.sample import Sample
 from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.methods.base import Method
 from kvbudget.methods.profiled import ProfiledMethod
-from kvbudget.prune import prune_prefill
+from kvbudget.prefill import PrefillInputs
 from kvbudget.session import CompressionSession
 
 
 @lru_cache(maxsize=2)
-def _austen_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+def austen_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The token ids of every Austen novel, joined by blank lines (memoised per tokenizer)."""
     text = "\n\n".join(austen_novels().values())
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -47,7 +49,7 @@ def make_samples(
     tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int = 0
 ) -> list[Sample]:
     """``num_samples`` passages of exactly ``length`` tokens at seeded offsets of the novels."""
-    ids = _austen_ids(tokenizer)
+    ids = austen_ids(tokenizer)
     if length < 2 or length > len(ids):
         raise InputError(f"perplexity passages must be 2..{len(ids)} tokens, got {length}")
     rng = random.Random(seed)
@@ -157,25 +159,17 @@ def _chunked_perplexity(
         for pos in range(start, total, chunk):
             stop = min(pos + chunk, total)
             session = CompressionSession(method, layers, budget=budget)
-            if "prune" in method.stages:  # the engine's own pruned forward; positions may be re-indexed
-                head = ids[:, :pos]
-                prefix = PrefillInputs(
-                    head, torch.ones_like(head), torch.arange(pos, device=ids.device)[None], pos
-                )
-                cache, last_logits, prefix = prune_prefill(model, prefix, session)
-                prefix_logits, next_pos = last_logits[:, None], int(prefix.positions[0, -1]) + 1
-            else:
-                cache = BudgetCache(layers, session)
-                session.phase = "prefill"
-                prefix_logits = model(
-                    ids[:, :pos], past_key_values=cache, use_cache=True, logits_to_keep=1
-                ).logits
-                next_pos = pos
+            head = ids[:, :pos]
+            prefix = PrefillInputs(
+                head, torch.ones_like(head), torch.arange(pos, device=ids.device)[None], pos
+            )
+            cache, prefix_logits, prefix = prefill_batch(model, prefix, session)
+            next_pos = int(prefix.positions[0, -1]) + 1  # a two-pass method's positions are re-indexed
             session.phase = "off"
             positions = torch.arange(next_pos, next_pos + stop - pos, device=ids.device)[None]
             out = model(ids[:, pos:stop], position_ids=positions, past_key_values=cache, use_cache=True)
             out = out.logits[0]
-            nll += float(_nll(torch.cat([prefix_logits[0, -1:], out[:-1]]), ids[0, pos:stop]))
+            nll += float(_nll(torch.cat([prefix_logits[-1:], out[:-1]]), ids[0, pos:stop]))
             scored += stop - pos
             peak = max(peak, int(cache.stats().entries.max()))
     return PerplexityResult(nll / scored, scored, peak)

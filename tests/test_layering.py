@@ -1,0 +1,244 @@
+"""Modules import only downward: every module of ``src/kvbudget`` sits in one layer of ``LAYERS`` and
+imports only from its own layer or lower ones.
+
+The imports are read with ``ast`` from the source, so every import counts: at the top of the
+module, inside a function, and under ``if TYPE_CHECKING:``. ``from kvbudget import data`` is an
+import of the module ``kvbudget.data``; ``import kvbudget`` and ``from kvbudget import load_model``
+import the package's public façade (``kvbudget/__init__.py``), which sits in the top layer.
+Modules reached only through ``importlib`` (the task registry's task modules) are not seen.
+
+A new module fails :func:`test_every_module_is_placed_in_a_layer` until it is added to ``LAYERS``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: (layer, its modules), lowest first. A module may import from its own layer and every layer above
+#: it in this list, never from one below it.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("foundations", ["kvbudget.errors", "kvbudget.version", "kvbudget.units", "kvbudget.architectures"]),
+    ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
+    ("models and data", ["kvbudget.models", "kvbudget.data"]),
+    ("cache", ["kvbudget.cache"]),
+    ("masks", ["kvbudget.masks"]),
+    ("attention", ["kvbudget.attention"]),
+    ("observation", ["kvbudget.observation"]),
+    ("method parts", ["kvbudget.scoring", "kvbudget.selection", "kvbudget.allocation", "kvbudget.merging"]),
+    ("profiles", ["kvbudget.profiles"]),
+    ("method interface", ["kvbudget.methods", "kvbudget.methods.base", "kvbudget.methods.prune_base"]),
+    ("session", ["kvbudget.session"]),
+    (
+        "methods",
+        [
+            "kvbudget.methods.asl",
+            "kvbudget.methods.baklava",
+            "kvbudget.methods.cake",
+            "kvbudget.methods.cam",
+            "kvbudget.methods.cascade",
+            "kvbudget.methods.combinations",
+            "kvbudget.methods.composable",
+            "kvbudget.methods.chunkkv",
+            "kvbudget.methods.d2o",
+            "kvbudget.methods.expected_attention",
+            "kvbudget.methods.fastkv",
+            "kvbudget.methods.full",
+            "kvbudget.methods.gemfilter",
+            "kvbudget.methods.h2o",
+            "kvbudget.methods.keydiff",
+            "kvbudget.methods.knorm",
+            "kvbudget.methods.kvzip",
+            "kvbudget.methods.lagkv",
+            "kvbudget.methods.lava",
+            "kvbudget.methods.lookahead",
+            "kvbudget.methods.profiled",
+            "kvbudget.methods.pyramidinfer",
+            "kvbudget.methods.qfilter",
+            "kvbudget.methods.random_eviction",
+            "kvbudget.methods.rkv",
+            "kvbudget.methods.snapkv",
+            "kvbudget.methods.spec",
+            "kvbudget.methods.squeezeattention",
+            "kvbudget.methods.streamingllm",
+            "kvbudget.methods.tova",
+            "kvbudget.methods.vatp",
+            "kvbudget.methods.presets",
+            "kvbudget.methods.registry",
+        ],
+    ),
+    ("prefill", ["kvbudget.prefill"]),
+    ("prune stage", ["kvbudget.prune"]),
+    ("engine and shared prefill", ["kvbudget.engine", "kvbudget.snapshot"]),
+    ("transformers-native use", ["kvbudget.native"]),
+    (
+        "evaluation parts",
+        [
+            "kvbudget.eval",
+            "kvbudget.eval.sample",
+            "kvbudget.eval.metrics",
+            "kvbudget.eval.intervals",
+            "kvbudget.eval.paired",
+            "kvbudget.eval.store",
+            "kvbudget.eval.fidelity",
+            "kvbudget.eval.draft",
+            "kvbudget.eval.longbench",
+            "kvbudget.eval.report",
+            "kvbudget.eval.tasks",
+            "kvbudget.eval.tasks.base",
+            "kvbudget.eval.tasks.code",
+            "kvbudget.eval.tasks.gsm8k",
+            "kvbudget.eval.tasks.infinitebench",
+            "kvbudget.eval.tasks.needle",
+            "kvbudget.eval.tasks.perplexity",
+            "kvbudget.eval.tasks.ruler",
+            "kvbudget.eval.tasks.ruler_common",
+            "kvbudget.eval.tasks.ruler_niah",
+            "kvbudget.eval.tasks.ruler_qa",
+            "kvbudget.eval.tasks.ruler_vt",
+            "kvbudget.eval.tasks.ruler_words",
+        ],
+    ),
+    ("evaluation runner", ["kvbudget.eval.runner", "kvbudget.eval.suites", "kvbudget.eval.distributed"]),
+    (
+        "benchmarks, peer rows and tuning",
+        [
+            "kvbudget.bench",
+            "kvbudget.bench.bandwidth",
+            "kvbudget.bench.memory",
+            "kvbudget.bench.measure",
+            "kvbudget.bench.report",
+            "kvbudget.bench.grid",
+            "kvbudget.bench.peer",
+            "kvbudget.bench.kvpress_runner",
+            "kvbudget.bench.ours_runner",
+            "kvbudget.bench.throughput",
+            "kvbudget.bench.throughput_report",
+            "kvbudget.eval.peer_rows",
+            "kvbudget.tuning",
+        ],
+    ),
+    ("demo and CLI checks", ["kvbudget.demo", "kvbudget.cli_checks"]),
+    ("entry points", ["kvbudget.cli", "kvbudget"]),
+]
+
+#: Private names (a leading underscore) one module imports from another, each with why it may.
+PRIVATE_IMPORTS_ALLOWED: dict[tuple[str, str, str], str] = {}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    return {_module_name(path): path for path in sorted((SRC / "kvbudget").rglob("*.py"))}
+
+
+def _imports(module: str, path: Path, known: set[str]) -> list[tuple[str, str, int]]:
+    """``(imported module, imported name or "", line)`` of every kvbudget import in ``path``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [
+                (alias.name, "", node.lineno)
+                for alias in node.names
+                if alias.name.split(".")[0] == "kvbudget"
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            if origin.split(".")[0] != "kvbudget":
+                continue
+            for alias in node.names:
+                submodule = f"{origin}.{alias.name}"
+                found.append(
+                    (submodule, "", node.lineno) if submodule in known else (origin, alias.name, node.lineno)
+                )
+    return found
+
+
+def _layer_of() -> dict[str, int]:
+    return {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
+
+
+def test_every_module_is_placed_in_a_layer() -> None:
+    layer_of = _layer_of()
+    listed = [module for _, modules in LAYERS for module in modules]
+    assert len(listed) == len(set(listed)), (
+        f"modules listed twice in LAYERS: {sorted(m for m in listed if listed.count(m) > 1)}"
+    )
+    modules = source_modules()
+    unplaced = sorted(set(modules) - set(layer_of))
+    assert not unplaced, (
+        f"modules in no layer: {', '.join(unplaced)} — place each in LAYERS of tests/test_layering.py, "
+        "in the lowest layer that holds everything it imports"
+    )
+    stale = sorted(set(layer_of) - set(modules))
+    assert not stale, f"LAYERS lists modules that do not exist: {', '.join(stale)} — remove them"
+
+
+def test_modules_import_only_from_their_layer_or_lower() -> None:
+    layer_of = _layer_of()
+    modules = source_modules()
+    upward, unknown = [], []
+    for module, path in modules.items():
+        if module not in layer_of:
+            continue  # reported by test_every_module_is_placed_in_a_layer
+        for target, _, line in _imports(module, path, set(modules)):
+            if target not in modules:
+                unknown.append(f"{module}:{line} imports {target}, which is no module of the package")
+            elif target in layer_of and layer_of[target] > layer_of[module]:
+                upward.append(
+                    f"{module}:{line} ({LAYERS[layer_of[module]][0]}) imports {target} "
+                    f"({LAYERS[layer_of[target]][0]}, a higher layer)"
+                )
+    assert not unknown, "\n".join(unknown)
+    assert not upward, "imports from a higher layer:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    modules = source_modules()
+    private = []
+    for module, path in modules.items():
+        for target, name, line in _imports(module, path, set(modules)):
+            if name.startswith("_") and not name.startswith("__") and target != module:
+                if (module, target, name) not in PRIVATE_IMPORTS_ALLOWED:
+                    private.append(f"{module}:{line} imports {target}.{name}")
+    assert not private, (
+        "private names imported across modules (make them public or move them):\n" + "\n".join(private)
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from kvbudget import data\n", [("kvbudget.data", "")]),
+        ("import kvbudget\n", [("kvbudget", "")]),
+        ("from kvbudget import load_model\n", [("kvbudget", "load_model")]),
+        ("def f():\n    from kvbudget.engine import prefill\n", [("kvbudget.engine", "prefill")]),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvbudget.session import S\n",
+            [("kvbudget.session", "S")],
+        ),
+        ("from . import tasks\n", [("kvbudget.eval.tasks", "")]),
+        ("from .tasks.base import TaskSpec\n", [("kvbudget.eval.tasks.base", "TaskSpec")]),
+        ("import torch\nfrom transformers import Cache\n", []),
+    ],
+)
+def test_imports_are_read_wherever_they_are(tmp_path: Path, source: str, expected: list) -> None:
+    """The reader sees nested, TYPE_CHECKING and relative imports (here as if in kvbudget/eval/runner.py)."""
+    path = tmp_path / "runner.py"
+    path.write_text(source, encoding="utf-8")
+    known = {"kvbudget", "kvbudget.data", "kvbudget.engine", "kvbudget.session", "kvbudget.eval.tasks"}
+    known |= {"kvbudget.eval.tasks.base"}
+    assert [(t, n) for t, n, _ in _imports("kvbudget.eval.runner", path, known)] == expected

@@ -1,0 +1,54 @@
+"""What the reported times add up to: ``RunTimes`` and the times ``generate`` reports."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvbudget.engine import Decoded, RunTimes, generate
+from kvbudget.methods.registry import make_method
+
+
+def test_run_times_split_the_prefill_and_the_first_token():
+    times = RunTimes(prefill_wall=3.0, compress=1.0, first_token=0.5, decode=2.0, steps=4)
+    assert times.prefill == 2.0  # the forward passes alone
+    assert times.ttft == 3.5  # prefill with compression, then the first token
+    assert times.tpot == 0.5
+    assert math.isnan(RunTimes(1.0, 0.0, 0.1, 0.0, 0).tpot)
+
+
+def test_run_times_of_a_session_and_a_decode_take_their_parts():
+    class Session:
+        compress_seconds = 0.25
+
+    decoded = Decoded([[1, 2]], steps=1, seconds=0.75, first_token_seconds=0.125)
+    times = RunTimes.of(2.0, Session(), decoded)
+    assert (times.prefill, times.compress, times.first_token, times.decode, times.steps) == (
+        1.75,
+        0.25,
+        0.125,
+        0.75,
+        1,
+    )
+
+
+def test_generate_reports_times_that_add_up(llama, chat_tokenizer):
+    context = " ".join(f"word{i}" for i in range(60))
+    result = generate(
+        llama,
+        chat_tokenizer,
+        context,
+        "which word?",
+        method=make_method("snapkv", window=4),
+        budget=16,
+        max_new_tokens=5,
+    )
+    timings = result.timings
+    assert timings["compress"] == result.compress_s > 0
+    assert timings["prefill"] > 0
+    # ttft = prefill + compress + choosing the first token (a few microseconds to milliseconds)
+    first_token = result.ttft_s - timings["prefill"] - timings["compress"]
+    assert 0 < first_token < 0.5 * result.ttft_s
+    steps = len(result.token_ids) - 1
+    assert steps >= 1 and result.tpot_s == pytest.approx(timings["decode"] / steps)

@@ -558,12 +558,12 @@ def test_baklava_snapkv_keeps_snapkv_choice_at_each_caches_own_budget():
     assert int(budgets.sum()) == 80 and len(set(budgets.flatten().tolist())) > 2
     for layer_idx in range(4):
         mine = layer()
-        method.compress(Observation(layer_idx, 4, q, mine, 8**-0.5), [10])
+        method.compress_layer(Observation(layer_idx, 4, q, mine, 8**-0.5), [10])
         for h in range(2):
             b = int(budgets[layer_idx, h])
             ref_layer = layer()
             ref = make_method("snapkv", window=min(4, b), kernel=3)
-            ref.compress(Observation(layer_idx, 4, q, ref_layer, 8**-0.5), [b])
+            ref.compress_layer(Observation(layer_idx, 4, q, ref_layer, 8**-0.5), [b])
             assert mine.head(h)[2][0].tolist() == ref_layer.head(h)[2][0].tolist(), (layer_idx, h, b)
 
 

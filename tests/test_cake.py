@@ -26,7 +26,7 @@ from kvbudget.allocation import cake_preference
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.cake import authors_checkpoint
-from kvbudget.methods.cascade import RowPlan
+from kvbudget.methods.layerwise import RowPlan
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
 from kvbudget.session import CompressionSession

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import TINY
 from kvbudget.cache import _take
 from kvbudget.engine import Prompt, prefill
-from kvbudget.methods.cascade import NEVER, candidate_ranks
+from kvbudget.methods.layerwise import NEVER, candidate_ranks
 from kvbudget.methods.registry import make_method
 from kvbudget.scoring import max_l1_value_norm
 from kvbudget.selection import protected_mask, select_keep

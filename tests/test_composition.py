@@ -335,7 +335,7 @@ def test_lookahead_does_not_import_the_registry():
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
     assert not any(name.startswith("kvbudget.methods.registry") for name in imported), imported
-    clone = make_method("laq", lookahead_method="ada-pyramidkv", lookahead_window=4).lookahead()
+    clone = make_method("laq", lookahead_method="ada-pyramidkv", lookahead_window=4).clone_method()
     assert (
         clone.name == "ada-pyramidkv" and clone.options() == make_method("ada-pyramidkv", window=4).options()
     )

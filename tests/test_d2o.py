@@ -308,7 +308,7 @@ def test_cam_merges_evicted_values_into_the_next_entries():
     method = make_method("cam")
     layer = layer_of(k, v)
     budget, sinks = 10, 4
-    method.compress(Observation(0, 4, q, layer, SCALE), [budget])
+    method.compress_layer(Observation(0, 4, q, layer, SCALE), [budget])
     s = prompt_column_sums(q[0].double().numpy(), k[0].double().numpy())
     kept = [0, 1, 2, 3, *range(N - (budget - sinks), N)]
     evicted = [j for j in range(N) if j not in kept]

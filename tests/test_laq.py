@@ -274,7 +274,7 @@ def test_reselection_matches_the_eq4_eq5_reference(name, w2, seed):
         0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo, pseudo_valid=valid
     )
     method = make_method(name, window=w2, kernel=3)
-    kept = method.compress(obs, targets=[BUDGET])
+    kept = method.compress_layer(obs, targets=[BUDGET])
     assert kept[0].tolist() == [BUDGET] * H
     ref = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3)
     expected = _keep(ref, w2)
@@ -404,7 +404,8 @@ def test_query_head_layer_keeps_each_query_heads_own_top_b(name, w2, seed):
         0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo,
         pseudo_valid=torch.ones(1, 3, dtype=torch.bool),
     )  # fmt: skip
-    kept = make_method(name, window=w2, kernel=3, budget_per="query-head").compress(obs, targets=[BUDGET])
+    method = make_method(name, window=w2, kernel=3, budget_per="query-head")
+    kept = method.compress_layer(obs, targets=[BUDGET])
     assert kept[0].tolist() == [BUDGET] * HQ
     expected = query_head_reference(fx, pseudo[0].double().numpy(), w2, 3)
     for qh in range(HQ):

@@ -30,7 +30,7 @@ from kvbudget.allocation import (
 )
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import MethodOptionError, UnknownMethodError
-from kvbudget.methods.cascade import RowPlan
+from kvbudget.methods.layerwise import RowPlan
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
 from kvbudget.session import CompressionSession

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvbudget.methods.baklava",
             "kvbudget.methods.cake",
             "kvbudget.methods.cam",
-            "kvbudget.methods.cascade",
+            "kvbudget.methods.layerwise",
             "kvbudget.methods.combinations",
             "kvbudget.methods.composable",
             "kvbudget.methods.chunkkv",

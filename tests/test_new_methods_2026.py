@@ -346,7 +346,8 @@ def test_rkv_prefill_and_decode_keep_importance_minus_redundancy(budget: int, bu
     method = make_method("r-kv", window=w, buffer=buffer, kernel=3)
     layer = BudgetLayer()
     layer.update(keys[None, :, :n0].clone(), values[None, :, :n0].clone())
-    method.compress(Observation(0, 1, queries[None, :, :n0], layer, 1 / math.sqrt(RD)), targets=[budget])
+    observation = Observation(0, 1, queries[None, :, :n0], layer, 1 / math.sqrt(RD))
+    method.compress_layer(observation, targets=[budget])
     held = [[(i, keys[h, i]) for i in range(n0)] for h in range(RH)]
     recent = [queries[:, i] for i in range(n0 - w, n0)]
     kept = rkv_reference_keep(held, recent, budget, w, 3, 0.1, 0.5)

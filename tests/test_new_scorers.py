@@ -49,7 +49,7 @@ class Fixture:
 
     def compress(self, method, budget: int, layer_idx: int = 0) -> BudgetLayer:
         layer = self.layer()
-        method.compress(self.observation(layer, layer_idx), targets=[budget])
+        method.compress_layer(self.observation(layer, layer_idx), targets=[budget])
         return layer
 
 

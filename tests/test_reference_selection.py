@@ -87,7 +87,7 @@ class Fixture:
         layer = self.layer()
         method = make_method(name, **options)
         obs = Observation(layer_idx, num_layers, query=self.q, layer=layer, scaling=SCALE)
-        kept = method.compress(obs, targets=[budget])
+        kept = method.compress_layer(obs, targets=[budget])
         assert tuple(kept.shape) == (1, H)
         return layer, kept[0].tolist(), method
 
@@ -654,7 +654,7 @@ def test_h2o_decode_after_a_prompt_that_fits_counts_the_prompt_attention() -> No
     fx = Fixture.make()
     layer = fx.layer()
     method = make_method("h2o")
-    method.compress(Observation(0, LAYERS, fx.q, layer, SCALE), targets=[None])  # what the session does
+    method.compress_layer(Observation(0, LAYERS, fx.q, layer, SCALE), targets=[None])  # what the session does
     assert kept_positions(layer) == [list(range(N))] * H
     h2o_decode_and_check(fx, layer, method, [list(range(N)) for _ in range(H)], budget=N, steps=2)
 

@@ -131,7 +131,7 @@ class CompressionSession:
                 obs = self._prefill_observation(layer_idx, query, layer, scaling)
                 if self.targets is None:
                     self.resolve(obs.lengths)
-                kept = self.method.compress(obs, self.targets)
+                kept = self.method.compress_layer(obs, self.targets)
                 if self.method.cascading and layers is not None:
                     self.method.rebalance(layers[: layer_idx + 1], self.targets)
                     for earlier in range(layer_idx):

@@ -16,7 +16,7 @@ listed in ``allocator_params``: it is reported by :meth:`Method.options` and may
 default only while that allocator is chosen. Any other method refuses both options
 (:meth:`Method.allocation_refusal` says why).
 
-:meth:`Method.compress` runs them on one layer; decode-stage methods also implement
+:meth:`Method.compress_layer` runs them on one layer; decode-stage methods also implement
 :meth:`Method.decode_step`; post-prefill methods (D2O) :meth:`Method.record` and
 :meth:`Method.post_prefill`; lookahead methods (LAQ) :meth:`Method.run_lookahead`.
 """
@@ -185,7 +185,7 @@ class Method:
         return torch.full((scores.shape[0],), layer_budget, dtype=torch.long)
 
     # ------------------------------------------------------------------ actions
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         """Compress one layer in place.
 
         Args:

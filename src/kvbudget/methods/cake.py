@@ -10,7 +10,7 @@ import torch
 
 from kvbudget.allocation import cake_preference
 from kvbudget.errors import MethodOptionError, UnknownMethodError
-from kvbudget.methods.cascade import LayerwiseMethod, pool_candidates
+from kvbudget.methods.layerwise import LayerwiseMethod, pool_candidates
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import protected_mask, select_keep
@@ -153,9 +153,9 @@ class CAKE(LayerwiseMethod):
             )
         return table.get(int(budget), (self.tau1, self.tau2))
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self.__dict__["_targets"] = list(targets)
-        return super().compress(obs, targets)
+        return super().compress_layer(obs, targets)
 
     def score(self, obs: Observation) -> torch.Tensor:
         probs = obs.window_probs(self.window)  # [b, hq, rows, n]

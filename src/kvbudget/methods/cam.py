@@ -76,7 +76,7 @@ class CaM(Method):
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.positions.float()
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self.observe(obs)
         self.evict(obs.layer, obs.layer_idx, targets)
         return obs.layer.head_lengths().cpu()

@@ -163,10 +163,10 @@ class ChunkKV(Method):
                 scores[r, candidates] = chunk_ranking(layer_scores[r, candidates], self.chunk_size)
         return scores[:, None].expand(-1, obs.num_kv_heads, -1)
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         if obs.layer_idx == 0:
             self.__dict__["_kept"] = {}
-        kept = super().compress(obs, targets)
+        kept = super().compress_layer(obs, targets)
         if self.reuse > 1 and obs.layer_idx % self.reuse == 0:
             positions = obs.layer.head(0)[2]  # [b, n_kept]; every head keeps the same positions
             self.__dict__["_kept"][obs.layer_idx] = [row[row >= 0] for row in positions]

@@ -1,6 +1,6 @@
 """Composable: a scorer whose layer and head allocators are options.
 
-A method on the generic per-layer path (:meth:`~kvbudget.methods.base.Method.compress`: score →
+A method on the generic per-layer path (:meth:`~kvbudget.methods.base.Method.compress_layer`: score →
 layer budget → head split → per-head top-k) that subclasses :class:`Composable` takes two options:
 
 * ``layer_alloc`` — entries per head each layer keeps:

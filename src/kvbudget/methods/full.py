@@ -27,6 +27,6 @@ class FullCache(Method):
     def score(self, obs: Observation) -> torch.Tensor:
         return torch.zeros(obs.positions.shape, device=obs.positions.device)
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         """Keeps the layer whole whatever the targets; returns ``[b, kv_heads]`` lengths."""
         return obs.layer.head_lengths().cpu()

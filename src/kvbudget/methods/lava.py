@@ -14,7 +14,7 @@ from kvbudget.allocation import (
     pyramid_layer_budget,
 )
 from kvbudget.errors import MethodOptionError
-from kvbudget.methods.cascade import LayerwiseMethod
+from kvbudget.methods.layerwise import LayerwiseMethod
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import max_l1_value_norm, pool_keys
 
@@ -45,7 +45,7 @@ class LAVa(LayerwiseMethod):
     is the one being prefilled. Without a floor the kept set at any budget is a prefix of one
     order (score descending, ties to the earlier head, then the earlier token), so the layer
     stores each entry's rank in it and re-evicts by a threshold (``selection_order``, the rank
-    fast path of :mod:`kvbudget.methods.cascade`; same entries as re-running Alg. 1). Final
+    fast path of :mod:`kvbudget.methods.layerwise`; same entries as re-running Alg. 1). Final
     budgets are proportional to the entropies (up to caps and rounding).
 
     **Floor** (``floor_alpha = α > 0``; not in the paper, default 0): the authors' code
@@ -170,10 +170,10 @@ class LAVa(LayerwiseMethod):
         return flattened_head_budgets(masked, total, 0.0, bounds)
 
     # ------------------------------------------------------------------ the authors' floor
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         if obs.layer_idx == 0:
             self.__dict__["_first_orders"] = {}  # (row, layer) → the layer's first flattened order
-        return super().compress(obs, targets)
+        return super().compress_layer(obs, targets)
 
     def rebalance(self, layers: list, targets: list[int | None]) -> None:
         super().rebalance(layers, targets)

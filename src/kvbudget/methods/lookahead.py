@@ -257,9 +257,9 @@ class LookaheadMixin:
                 f"{self.name}: steps=0 with window=0 leaves no observation queries; "
                 "give steps ≥ 1 or a window"
             )
-        self.lookahead()  # the clone's method validates its own options now, not mid-run
+        self.clone_method()  # the clone's method validates its own options now, not mid-run
 
-    def lookahead(self) -> Method:
+    def clone_method(self) -> Method:
         """A fresh object of the clone's method (built here from :data:`LOOKAHEAD_METHODS`' classes and
         the named combinations' options, as the registry would build it)."""
         name = self.lookahead_method
@@ -271,7 +271,7 @@ class LookaheadMixin:
 
     def min_budget(self) -> int:
         own = super().min_budget()
-        return own if self.lookahead_budget else max(own, self.lookahead().min_budget())
+        return own if self.lookahead_budget else max(own, self.clone_method().min_budget())
 
     def check_budget(self, budget: int) -> None:
         own = super().min_budget()
@@ -280,7 +280,7 @@ class LookaheadMixin:
                 f"budget must be ≥ {own} for {self.name} "
                 f"(window {self.window} + sinks {self.sinks} + 1), got {budget}"
             )
-        look = self.lookahead()
+        look = self.clone_method()
         clone_budget = self.lookahead_budget or budget
         if clone_budget < look.min_budget():
             raise BudgetError(
@@ -291,7 +291,7 @@ class LookaheadMixin:
 
     def queries_to_record(self) -> int:
         """The prompt's last queries needed: the stage-2 window and the clone method's window."""
-        look = self.lookahead()
+        look = self.clone_method()
         return max(1, self.window, look.window if self.lookahead_method in WINDOWED_LOOKAHEAD else 0)
 
     def repeat_group(self, layer: BudgetLayer, q_heads: int) -> int:
@@ -361,7 +361,7 @@ class LookaheadMixin:
             budget, ratio = self.lookahead_budget, None
         else:
             budget, ratio = session.budget, session.ratio
-        capture = QueryCapture(self.lookahead(), num_layers, budget=budget, ratio=ratio)
+        capture = QueryCapture(self.clone_method(), num_layers, budget=budget, ratio=ratio)
         # The clone's prefill observations are the prompt's last queries over the same full layers:
         # a shared prefill's window probabilities serve them too (memo keys name the query rows).
         capture.observation_memos = session.observation_memos
@@ -435,7 +435,7 @@ class LookaheadMixin:
                 layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
                 pseudo_query=record.queries[layer_idx], pseudo_valid=record.valid,
             )  # fmt: skip
-            session.kept[:, layer_idx] = self.compress(obs, session.targets)
+            session.kept[:, layer_idx] = self.compress_layer(obs, session.targets)
             if self.cascading:
                 self.rebalance(cache.layers[: layer_idx + 1], session.targets)
                 for earlier in range(layer_idx):

@@ -238,7 +238,7 @@ class ProfiledMethod(Method):
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.positions.float()  # StreamingLLM: the most recent entries win
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self.observe(obs)
         lengths = obs.lengths
         heads = obs.num_kv_heads

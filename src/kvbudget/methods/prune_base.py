@@ -3,7 +3,7 @@
 A prune-stage method changes the prefill forward itself: after some layer, deeper layers process
 only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prune`) runs
 the decoder layers one by one; after each layer's attention the compression session calls
-:meth:`PruneMethod.compress` (as for prefill-stage methods), where the method scores the layer,
+:meth:`PruneMethod.compress_layer` (as for prefill-stage methods), where the method scores the layer,
 may request a cut with :meth:`request_cut`, and may compress the layer's cache (``compress_cache``).
 After the layer's MLP
 the engine takes the requested cuts (:meth:`take_cuts`) and gathers the hidden states of the kept
@@ -78,7 +78,7 @@ class PruneMethod(Method):
         """Score the layer and call :meth:`request_cut` where the method cuts (override)."""
         raise NotImplementedError
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         """Called after each prefilled layer's attention: select (maybe cut), then compress the cache.
 
         Returns ``[b, kv_heads]`` entries kept per head.
@@ -96,7 +96,7 @@ class PruneMethod(Method):
             or all(t is None or int(n) <= t for t, n in zip(targets, lengths.tolist(), strict=True))
         ):
             return obs.layer.head_lengths().cpu()
-        return super().compress(obs, targets)
+        return super().compress_layer(obs, targets)
 
 
 def layer_at_fraction(fraction: float, num_layers: int) -> int:

@@ -96,9 +96,9 @@ class RKV(Method):
         recent = obs.query if previous is None else torch.cat([previous, obs.query], dim=2)
         self._queries[obs.layer_idx] = recent[:, :, -self.window :]
 
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self._remember(obs)
-        return super().compress(obs, targets)
+        return super().compress_layer(obs, targets)
 
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         self._remember(obs)

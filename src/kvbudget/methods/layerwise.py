@@ -18,7 +18,7 @@ the engine creates fresh per run; it is reset whenever layer 0 is compressed.
 
 **Rank fast path.** When a method's selection at any budget is a prefix of one fixed order of the
 layer's candidates (:meth:`LayerwiseMethod.selection_order`: LAVa's plain flattened top-k, CAKE's
-per-head top-k), :meth:`LayerwiseMethod.compress` sorts the candidates once and stores each
+per-head top-k), :meth:`LayerwiseMethod.compress_layer` sorts the candidates once and stores each
 entry's rank (protected entries ``-1``) instead of its score; keeping a budget is then "rank below
 it", and a re-eviction needs no sort and no head split. It keeps exactly the entries the generic
 path (:meth:`LayerwiseMethod.split` + :func:`~kvbudget.selection.select_keep`) keeps, at every
@@ -247,7 +247,7 @@ class LayerwiseMethod(Method):
         return rp.budgets[layer_idx] + rp.protected if layer_idx in rp.budgets else None
 
     # ------------------------------------------------------------------ actions
-    def compress(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self.observe(obs)
         lengths = obs.lengths
         heads = obs.num_kv_heads

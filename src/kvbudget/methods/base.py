@@ -232,7 +232,7 @@ class Method:
     def record(self, obs: Observation, targets: list[int | None]) -> None:
         """Post-prefill methods: note what a layer's prefill attention tells (nothing is evicted yet).
 
-        Called for every layer during the prefill instead of :meth:`compress`; ``targets`` as there.
+        Called for every layer during the prefill instead of :meth:`compress_layer`; ``targets`` as there.
         """
         raise NotImplementedError(f"{self.name} has no post-prefill stage")
 
@@ -240,7 +240,7 @@ class Method:
         """Post-prefill methods: compress every layer once all of them were prefilled.
 
         ``layers``: every layer of the cache (rectangular prefill layout); ``targets`` as in
-        :meth:`compress`. The prefill holds the full cache until then (as the methods' papers do).
+        :meth:`compress_layer`. The prefill holds the full cache until then (as the methods' papers do).
         """
         raise NotImplementedError(f"{self.name} has no post-prefill stage")
 

@@ -212,7 +212,7 @@ class LayerwiseMethod(Method):
         bounds: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`split` for batch row ``row`` of layer ``layer_idx`` whose budget is ``target``
-        (entries per head, window included): what :meth:`compress` and :meth:`rebalance` call.
+        (entries per head, window included): what :meth:`compress_layer` and :meth:`rebalance` call.
         Override it when the split depends on more than the scores — LAVa's floor keeps the layer's
         first order and takes its size from ``target``. Same arguments and result as :meth:`split`."""
         return self.split(scores, candidates, total, bounds)
@@ -303,7 +303,7 @@ class LayerwiseMethod(Method):
         return kept
 
     def rebalance(self, layers: list, targets: list[int | None]) -> None:
-        """Re-evict ``layers[:-1]`` to the budgets the last :meth:`compress` recomputed.
+        """Re-evict ``layers[:-1]`` to the budgets the last :meth:`compress_layer` recomputed.
 
         Each layer keeps the top of the scores it stored (``state[state_name]``) among its current
         entries: the new budgets are never larger than the old ones, and the same stable order is

@@ -96,7 +96,7 @@ def test_rerun_skips_finished_rows_and_report_renders(tmp_path):
 
 def test_a_crashing_run_becomes_an_error_row_and_the_grid_goes_on(tmp_path, monkeypatch):
     calls = {"n": 0}
-    original = SnapKV.compress
+    original = SnapKV.compress_layer
 
     def flaky(self, obs, targets):
         calls["n"] += 1
@@ -104,7 +104,7 @@ def test_a_crashing_run_becomes_an_error_row_and_the_grid_goes_on(tmp_path, monk
             raise RuntimeError("boom in layer 0")
         return original(self, obs, targets)
 
-    monkeypatch.setattr(SnapKV, "compress", flaky)
+    monkeypatch.setattr(SnapKV, "compress_layer", flaky)
     rows = _run(tmp_path, methods=["full", "snapkv:window=4,kernel=3"], budgets=[24], limit=2)
     errors = [r for r in rows if r["error"]]
     assert len(rows) == 4 and len(errors) == 1

@@ -1,7 +1,7 @@
 """Reference tests: what every registered method keeps equals an independent computation from its paper.
 
 For each method of ``kvbudget.method_names()`` a small fixed input (2 KV heads, GQA groups of 2,
-24 tokens, head dim 8) is compressed through ``method.compress`` (and, for the decode-stage methods,
+24 tokens, head dim 8) is compressed through ``method.compress_layer`` (and, for the decode-stage methods,
 one or more ``decode_step`` calls), and the kept positions are compared with a reference computed
 here from the raw q, k, v tensors. The references never call kvbudget's scoring, allocation or
 selection helpers: they use float64 numpy copies and explicit Python loops over heads and tokens —

@@ -49,6 +49,7 @@ SMALL = {
     "laq": {"kernel": 3, "steps": 3, "lookahead_window": 4},  # laq's window 0; laq++'s 8
     "lava": {"window": 4, "kernel": 3},
     "d2o": {},
+    "observed-attention": {},  # window 0, no sinks
 }
 
 
@@ -174,7 +175,7 @@ def test_explicit_options_and_presets_apply_over_a_combination():
 # ------------------------------------------------------------------------------ the grid
 @pytest.mark.parametrize("head_alloc", ["uniform", "ada"])
 @pytest.mark.parametrize("layer_alloc", ["uniform", "pyramid"])
-@pytest.mark.parametrize("scorer", ["snapkv", "knorm", "random", "vatp", "laq"])
+@pytest.mark.parametrize("scorer", ["snapkv", "knorm", "random", "vatp", "laq", "observed-attention"])
 def test_every_scorer_takes_every_allocator(scorer, layer_alloc, head_alloc, model):
     method = make_method(scorer, layer_alloc=layer_alloc, head_alloc=head_alloc, **SMALL[scorer])
     seen = recording(method)
@@ -253,6 +254,7 @@ def test_the_refusing_methods_are_the_expected_families():
     assert takes == {
         "random", "knorm", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "vatp", "lava",
         "lava-uniform", "lava-nohead", "lava-pyramid", "laq", "laq++", "laq-ada", "laq-lava",
+        "observed-attention",
     }  # fmt: skip
     assert {"h2o", "fastkv", "d2o", "cake", "baklava", "streamingllm"} <= set(refusing_names())
 

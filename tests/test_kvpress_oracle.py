@@ -5,7 +5,8 @@ kvpress runs in its own environment (``make peer`` builds ``.venv-peer``: it nee
 runner, and compares the kept positions per layer and KV head with ours. Skipped only when the
 peer environment is absent.
 
-KeyDiff, LagKV, ChunkKV (over SnapKV) and Q-Filters are compared the same way, with settings matched
+KeyDiff, LagKV, ChunkKV (over SnapKV), ObservedAttention (our ``observed-attention``; kvpress runs
+it with eager attention) and Q-Filters are compared the same way, with settings matched
 (``NEW_PEERS``) at budgets where both sides are exact. Q-Filters' press downloads its filters from
 the hub, impossible here: a small script subclasses ``QFilterPress`` to take our profile's filters
 from a file instead. What is not compared: KeyDiff's and Q-Filters' decode-stage eviction (kvpress
@@ -132,6 +133,9 @@ NEW_PEERS: dict[str, tuple[str, dict, tuple[int, ...]]] = {
          "inner": {"press": "SnapKVPress", "kwargs": {"window_size": 60, "kernel_size": 5}}},
         (100, 160),
     ),
+    "observed-attention": (
+        "observed-attention", {"press": "ObservedAttentionPress", "attn": "eager"}, (80, 160)
+    ),
 }  # fmt: skip
 
 #: kvpress's QFilterPress downloads its filters from the hub; this script (run by the peer Python)
@@ -177,7 +181,8 @@ json.dump(rows, open(out_path, "w"))
 
 @pytest.fixture(scope="module")
 def new_oracle(oracle: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """kvpress's KeyDiff, LagKV and ChunkKV(SnapKV) kept positions on the oracle's model and prompts."""
+    """kvpress's KeyDiff, LagKV, ChunkKV(SnapKV) and ObservedAttention (eager attention) kept positions
+    on the oracle's model and prompts."""
     tmp = tmp_path_factory.mktemp("kvpress-new")
     oracle["model"].save_pretrained(tmp / "model")
     samples = [
@@ -216,13 +221,18 @@ def test_new_scorers_keep_kvpress_indices(oracle: dict, new_oracle: dict, name: 
 
 def test_new_scorer_comparisons_have_teeth(oracle: dict, new_oracle: dict) -> None:
     """Plausible wrong settings keep other entries: LagKV with kvbudget's default sinks, ChunkKV
-    with SnapKV's max pooling, KeyDiff with a window."""
+    with SnapKV's max pooling, KeyDiff with a window, observed attention summed (H2O) or with a
+    window."""
     ids = oracle["ids"]["s1"]
     model = oracle["model"]
     assert our_indices(model, ids, "lagkv:sinks=16,lag_size=32", 84) != new_oracle[("lagkv", "s1", 84)]
     wrong = "chunkkv:window=60,kernel=5,pooling=max,reduce_rows=mean,chunk_size=20"
     assert our_indices(model, ids, wrong, 100) != new_oracle[("chunkkv", "s1", 100)]
     assert our_indices(model, ids, "keydiff:window=32", 80) != new_oracle[("keydiff", "s1", 80)]
+    # H2O's sums (the `bench peer` pair of ObservedAttentionPress) rank early tokens higher
+    observed = new_oracle[("observed-attention", "s1", 80)]
+    assert our_indices(model, ids, "h2o:heavy_fraction=1.0", 80) != observed
+    assert our_indices(model, ids, "observed-attention:window=8", 80) != observed
 
 
 def test_qfilter_keeps_kvpress_indices_with_the_same_filters(oracle: dict, tmp_path: Path) -> None:

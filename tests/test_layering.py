@@ -56,6 +56,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvbudget.methods.lagkv",
             "kvbudget.methods.lava",
             "kvbudget.methods.lookahead",
+            "kvbudget.methods.observed_attention",
             "kvbudget.methods.profiled",
             "kvbudget.methods.pyramidinfer",
             "kvbudget.methods.qfilter",

@@ -324,7 +324,7 @@ def last_row_all_heads(fx: Fixture) -> list[float]:
 def test_every_registered_method_has_a_reference_test() -> None:
     covered = {
         "full", "random", "knorm", "streamingllm", "snapkv", "pyramidkv",
-        "ada-snapkv", "ada-pyramidkv", "h2o", "tova", "vatp",
+        "ada-snapkv", "ada-pyramidkv", "h2o", "observed-attention", "tova", "vatp",
         # references in tests/test_lava.py, tests/test_cake.py and tests/test_d2o.py
         "lava", "lava-uniform", "lava-nohead", "lava-pyramid", "cake",
         "d2o", "d2o-uniform", "d2o-nomerge", "cam",
@@ -657,6 +657,75 @@ def test_h2o_decode_after_a_prompt_that_fits_counts_the_prompt_attention() -> No
     method.compress_layer(Observation(0, LAYERS, fx.q, layer, SCALE), targets=[None])  # what the session does
     assert kept_positions(layer) == [list(range(N))] * H
     h2o_decode_and_check(fx, layer, method, [list(range(N)) for _ in range(H)], budget=N, steps=2)
+
+
+# --- observed-attention
+def observed_means(fx: Fixture, heads: str = "mean", divide: str = "seeing", window: int | None = None):
+    """Observed attention (kvpress's ObservedAttentionPress): per query head, the attention key ``j``
+    receives, summed over the queries ``i`` that see it and divided by their number, then reduced
+    over each GQA group. ``window``: a sliding-window layer (query ``i`` sees keys ``i − window < j ≤
+    i``). Wrong variants, only to show the fixture tells them apart: ``divide="none"`` (H2O's sums),
+    ``divide="causal"`` (kvpress's ``n − j`` whatever the window), ``heads="max"``."""
+    q, k = fx.nq, fx.nk
+    out = []
+    for h in range(H):
+        per_query_head = []
+        for qh in range(h * G, (h + 1) * G):
+            sums, seeing = [0.0] * N, [0] * N
+            for i in range(N):
+                first = 0 if window is None else max(0, i - window + 1)
+                entries = list(range(first, i + 1))
+                for j, p in zip(entries, attention_row(q[qh, i], k[h], entries), strict=True):
+                    sums[j] += p
+                    seeing[j] += 1
+            if divide == "seeing":
+                per_query_head.append([sums[j] / seeing[j] for j in range(N)])
+            elif divide == "causal":
+                per_query_head.append([sums[j] / (N - j) for j in range(N)])
+            else:
+                per_query_head.append(sums)
+        if heads == "mean":
+            out.append([sum(p[j] for p in per_query_head) / G for j in range(N)])
+        else:
+            out.append([max(p[j] for p in per_query_head) for j in range(N)])
+    return out
+
+
+#: a fixture on which the wrong variants (sums, GQA max) keep other entries, with and without a window
+OBSERVED_SEED = 2
+
+
+@pytest.mark.parametrize(("window", "sinks", "chunk"), [(0, 0, 512), (3, 2, 5)])
+def test_observed_attention_keeps_the_top_mean_attention(window: int, sinks: int, chunk: int) -> None:
+    fx = Fixture.make(OBSERVED_SEED)
+    options = {"window": window, "sinks": sinks, "chunk": chunk}
+    layer, kept, _ = fx.compress("observed-attention", options)
+    protected = set(range(sinks)) | set(range(N - window, N))
+    candidates = [j for j in range(N) if j not in protected]
+    ref = observed_means(fx)
+    scored = BUDGET - len(protected)
+    expected = [top_k({j: ref[h][j] for j in candidates}, scored) | protected for h in range(H)]
+    assert kept == [BUDGET] * H
+    assert_layer_holds(layer, expected, fx.nk, fx.nv)
+    # discriminating: H2O's unnormalised sums and a GQA max keep other entries on this fixture
+    for wrong in (observed_means(fx, divide="none"), observed_means(fx, heads="max")):
+        other = [top_k({j: wrong[h][j] for j in candidates}, scored) for h in range(H)]
+        assert any(not (other[h] | protected).compatible(expected[h]) for h in range(H))
+
+
+def test_observed_attention_on_a_sliding_window_layer_averages_over_the_queries_that_see_each_key() -> None:
+    fx = Fixture.make(OBSERVED_SEED)
+    layer = fx.layer()
+    layer.sliding_window = 6
+    method = make_method("observed-attention")
+    kept = method.compress_layer(Observation(0, LAYERS, fx.q, layer, SCALE), targets=[BUDGET])
+    ref = observed_means(fx, window=6)
+    expected = [top_k(ref[h], BUDGET) for h in range(H)]
+    assert kept[0].tolist() == [BUDGET] * H
+    assert_layer_holds(layer, expected, fx.nk, fx.nv)
+    # discriminating: kvpress's n − j divisor (every causal query, seen or not) keeps other entries
+    causal = observed_means(fx, divide="causal", window=6)
+    assert any(not top_k(causal[h], BUDGET).compatible(expected[h]) for h in range(H))
 
 
 # --- tova

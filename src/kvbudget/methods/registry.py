@@ -32,6 +32,7 @@ from kvbudget.methods.kvzip import KVzip
 from kvbudget.methods.lagkv import LagKV
 from kvbudget.methods.lava import LAVa
 from kvbudget.methods.lookahead import LAQ, LAQLava
+from kvbudget.methods.observed_attention import ObservedAttention
 from kvbudget.methods.presets import preset_options, split_preset
 from kvbudget.methods.pyramidinfer import PyramidInfer
 from kvbudget.methods.qfilter import QFilter
@@ -54,6 +55,7 @@ _ORDER: tuple[type[Method] | str, ...] = (
     "ada-snapkv",
     "ada-pyramidkv",
     H2O,
+    ObservedAttention,
     TOVA,
     VATP,
     LAVa,

@@ -240,12 +240,14 @@ def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> l
     """Mean over tasks ×100 with its stratified interval, mean rank, then each task's mean.
 
     Default: the tasks the most complete labels share (the largest task set any label finished), and
-    every label that finished all of them. ``shared``: every label at ``ratio`` (methods added later
-    and kvpress's presses included) on the tasks all of them finished."""
+    every label that finished all of them. ``shared``: every kvbudget method at ``ratio`` (methods
+    added later included; kvpress's presses are in :func:`best_against_kvpress`) on the tasks all of
+    them finished."""
     column = ("r", ratio)
     mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
     complete = _complete_tasks(mine, column)
-    if shared:
+    if shared:  # kvpress's presses have their own block (best_against_kvpress)
+        complete = {label: done for label, done in complete.items() if not label.startswith(PEER_PREFIX)}
         tasks = sorted(set.intersection(*complete.values())) if complete else []
         labels = [label for label in complete if label != "full"]
     else:

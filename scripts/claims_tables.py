@@ -218,6 +218,10 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
         out[f"leaderboard-{ratio:g}"] = leaderboard_table(rows, ratio)
         out[f"leaderboard-{ratio:g}-shared"] = leaderboard_table(rows, ratio, shared=True)
     out["leaderboard-kvpress"] = best_against_kvpress(rows, (0.875, 0.75, 0.5, 0.25))
+    newer = [("chunkkv", "snapkv"), ("chunkkv", "laq"), ("kvzip", "snapkv"), ("kvzip", "cake"),
+             ("r-kv", "snapkv"), ("expected-attention", "snapkv"), ("keydiff", "streamingllm"),
+             ("lagkv", "streamingllm"), ("qfilter", "streamingllm")]  # fmt: skip
+    out["leaderboard-newer"] = pairs_table(rows, newer)
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-overhead"] = laq_overhead(rows)

@@ -228,9 +228,14 @@ def test_lookahead_changes_the_selection(llama, chat_tokenizer):
 
 
 # ---------------------------------------------------------------------------------- reference
-def lookahead_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, masked: bool = False):
+def lookahead_reference(
+    fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, masked: bool = False, window: int | None = None,
+    shift: int = 0,
+):
     """Eq. 4–5 with SnapKV's reduction, written from the paper (arXiv:2505.20334): per KV head,
     the scores of the first ``N − w2`` keys. Window rows are causal; pseudo rows see all ``N`` prompt keys.
+    ``window``: a sliding-window layer, where the row at position ``p`` (prompt token ``i`` at ``i``,
+    pseudo step ``t`` at ``N + t + shift``) sees only the keys ``p − window < j``.
 
     ``masked`` (the authors' bug, only to show the fixture tells it apart): one causal mask over
     the last ``w2 + m`` keys for the whole ``[window; pseudo]`` block.
@@ -248,9 +253,14 @@ def lookahead_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, m
                     visible = N - (w2 + m) + r + 1
                 else:
                     visible = N - w2 + r + 1 if r < w2 else N
-                probs = attention_row(query, k[h], list(range(visible)))
-                for j in range(min(visible, N - w2)):
-                    cols[j] += probs[j]
+                at = N - w2 + r + (shift if r >= w2 else 0)  # the row's position
+                first = 0 if window is None else max(0, at - window + 1)
+                if first >= visible:
+                    continue  # its window holds no prompt key: the row scores nothing
+                entries = list(range(first, visible))
+                for j, p in zip(entries, attention_row(query, k[h], entries), strict=True):
+                    if j < N - w2:
+                        cols[j] += p
             per_query_head.append(cols)
         reduced = [sum(p[j] for p in per_query_head) / G for j in range(N - w2)]
         out.append(pool(reduced, kernel, "max"))
@@ -286,6 +296,44 @@ def test_reselection_matches_the_eq4_eq5_reference(name, w2, seed):
     np.testing.assert_allclose(lib, np.array(ref), rtol=1e-5, atol=1e-7)
     wrong = _keep(lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3, masked=True), w2)
     assert any(not x.compatible(y) for x, y in zip(expected, wrong, strict=True)), "bug variant not rejected"
+
+
+@pytest.mark.parametrize(("name", "w2"), [("laq", 0), ("laq++", 4)])
+def test_pseudo_rows_see_only_their_window_on_a_sliding_window_layer(name, w2):
+    """On a sliding-window layer the pseudo query at position ``N + t`` sees only the keys at
+    positions ``> N + t − W``, as the model's attention would; the last step (``t = 2``, ``W = 2``)
+    sees no prompt key at all and scores nothing."""
+    fx = Fixture.make(11)
+    m, window = 3, 6
+    pseudo = 2.0 * torch.randn(1, HQ, m, D, generator=torch.Generator().manual_seed(111))
+    method = make_method(name, window=w2, kernel=3)
+
+    def scores(window: int) -> np.ndarray:
+        layer = fx.layer()
+        layer.sliding_window = window
+        obs = LookaheadObservation(
+            0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo,
+            pseudo_valid=torch.ones(1, m, dtype=torch.bool),
+        )  # fmt: skip
+        return method.score(obs)[0, :, : N - w2].double().numpy()
+
+    for w in (window, 2):
+        ref = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3, window=w)
+        np.testing.assert_allclose(scores(w), np.array(ref), rtol=1e-5, atol=1e-7)
+    # discriminating: pseudo rows that ignore the window score the early keys too
+    unwindowed = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3)
+    assert not np.allclose(scores(window), np.array(unwindowed), rtol=1e-3, atol=1e-5)
+    # explicit positions (a row decoded from a later position) move the window with them
+    layer = fx.layer()
+    layer.sliding_window = window
+    later = LookaheadObservation(
+        0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo,
+        pseudo_valid=torch.ones(1, m, dtype=torch.bool), pseudo_positions=torch.tensor([[N + 2, N + 3, N + 4]]),
+    )  # fmt: skip
+    shifted = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3, window=window, shift=2)
+    np.testing.assert_allclose(
+        method.score(later)[0, :, : N - w2].double().numpy(), np.array(shifted), rtol=1e-5, atol=1e-7
+    )
 
 
 def test_pseudo_rows_after_eos_count_for_nothing():

@@ -155,6 +155,37 @@ def test_kvzip_without_a_template_reconstructs_from_the_first_token(saved: dict,
     assert _kept(cache) == reference_keep(scores, 4, 2 * 30, "pair")
 
 
+def test_kvzip_on_sliding_window_layers_scores_what_the_window_shows(tmp_path: Path) -> None:
+    """A Mistral whose every layer slides (window 60 over a 91-token context): the pass's queries,
+    at positions after the context, see only its last entries, so entries their windows never hold
+    score 0 — the reference is the model's own eager attention, which applies the window."""
+    torch.manual_seed(5)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from conftest import TINY
+
+    MistralForCausalLM(MistralConfig(**TINY, initializer_range=0.2, sliding_window=60)).save_pretrained(tmp_path)
+    tok = tiny_tokenizer(chat_template=True)
+    tok.save_pretrained(tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    text = "Alice keeps 7 red keys in a box; Bob counts 12 blue stones by the river, then sleeps."
+    ids = _encode(tok, "<user>" + text)
+    prefix = len(_encode(tok, "<user>"))
+    cache = kvbudget.compress(ours, torch.tensor([ids]), method=make_method("kvzip"), budget=20)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    scores = kvzip_reference_scores(reference, tok, ids, prefix, 4, 2048, "</user><assistant>")
+    hidden = len(ids) - 60  # the pass's first query sits at len(ids): entries at or before this: unseen
+    assert all(float(layer[:, prefix : hidden + 1].abs().max()) == 0.0 for layer in scores)
+    expected = reference_keep(scores, max(prefix, 4), 2 * 20, "pair")
+    assert _kept(cache) == expected
+    # discriminating: the same weights with global attention keep other entries
+    unwindowed = AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", sliding_window=None
+    ).eval()
+    wide = kvzip_reference_scores(unwindowed, tok, ids, prefix, 4, 2048, "</user><assistant>")
+    assert reference_keep(wide, max(prefix, 4), 2 * 20, "pair") != expected
+
+
 def test_kvzip_refuses_bad_options() -> None:
     from kvbudget.errors import MethodOptionError
 

@@ -95,8 +95,9 @@ class ReconstructionScores(CompressionSession):
     ``q`` tokens of the pass. ``scores[layer]: [kv_heads, n]`` receives, for the chunk's entries
     ``start .. end − 1``, the largest attention any query of the pass (and any query head of the GQA
     group) pays them, the softmax taken over the first ``lead`` entries, the chunk and the pass's
-    own tokens (causal). The layer is then restored to the context alone, so the pass never holds
-    more than one layer's copy.
+    own tokens (causal; on a sliding-window layer of window ``W`` a query at position ``p`` sees
+    only the entries at positions ``> p − W``, as the model's own attention). The layer is then
+    restored to the context alone, so the pass never holds more than one layer's copy.
     """
 
     def __init__(
@@ -114,6 +115,10 @@ class ReconstructionScores(CompressionSession):
         keys = layer.keys[0].float()  # [h, n + q, d]
         q = query.shape[2]
         sub = torch.cat([keys[:, :lead], keys[:, start:end], keys[:, n:]], dim=1)  # [h, lead + m + q, d]
+        window = getattr(layer, "sliding_window", None)
+        if window is not None:  # positions of the scored keys and of the pass's queries
+            pos = layer.positions[0].to(keys.device)  # [h, n + q]
+            sub_pos = torch.cat([pos[:, :lead], pos[:, start:end], pos[:, n:]], dim=1)  # [h, lead + m + q]
         heads, group = sub.shape[0], query.shape[1] // sub.shape[0]
         m = end - start
         softcap = getattr(layer, "softcap", None)
@@ -128,6 +133,9 @@ class ReconstructionScores(CompressionSession):
             rows = torch.arange(a, b, device=keys.device)[:, None]
             future = torch.arange(q, device=keys.device)[None, :] > rows  # the pass's own tokens, causal
             logits[..., lead + m :].masked_fill_(future, float("-inf"))
+            if window is not None:  # [h, rows, keys]: keys the query's window no longer holds
+                hidden = sub_pos[:, None, :] <= (pos[:, n + a : n + b] - window)[:, :, None]
+                logits.masked_fill_(hidden[:, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1)[..., lead : lead + m]
             best = torch.maximum(best, probs.amax(dim=(1, 2)))
         self.scores[layer_idx][:, start:end] = best.to(self.scores[layer_idx].device)

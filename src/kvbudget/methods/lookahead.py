@@ -62,10 +62,13 @@ class LookaheadObservation(Observation):
             empty), the tokens of the layer's last ``w2`` entries.
         pseudo_query: ``[b, q_heads, m, d]`` post-RoPE queries of the ``m`` pseudo tokens.
         pseudo_valid: ``[b, m]`` bool, False for steps after a row's lookahead stopped at EOS.
+        pseudo_positions: ``[b, m]`` the pseudo tokens' positions; ``None``: right after each row's
+            last prompt position (``1 + max position``, then one more per step), as decoded.
     """
 
     pseudo_query: torch.Tensor | None = None
     pseudo_valid: torch.Tensor | None = None
+    pseudo_positions: torch.Tensor | None = None
 
     def window_keys(self, window: int) -> int:
         """Only the ``w2`` window queries are tokens of the cache; pseudo tokens are not."""
@@ -77,9 +80,11 @@ class LookaheadObservation(Observation):
         The ``w2`` window rows are causal inside the bottom-right ``w2 × w2`` block (as any
         window); the ``m`` pseudo rows see **every** valid prompt key — the authors' code applies
         one causal mask to the whole ``w2 + m`` block, hiding the last prompt keys from the
-        pseudo queries; we do not reproduce that bug. The softmax runs over the prompt's keys
-        only (pseudo keys were never in this cache). Rows of steps after EOS are 0. ``window``
-        is ignored: the rows are fixed by the lookahead.
+        pseudo queries; we do not reproduce that bug. On a sliding-window layer (window ``W``) the
+        pseudo query at position ``p`` sees only the keys at positions ``> p − W``, as the model's
+        own attention would. The softmax runs over the prompt's keys only (pseudo keys were never
+        in this cache); a pseudo row whose window holds no prompt key is 0. Rows of steps after
+        EOS are 0. ``window`` is ignored: the rows are fixed by the lookahead.
         """
         if "lookahead" not in self._memo:
             n = self.keys.shape[2]
@@ -98,7 +103,19 @@ class LookaheadObservation(Observation):
         valid = self.valid
         if not bool(valid.all()):
             logits.view(b, heads, hq // heads, m, n).masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        window = self.layer.sliding_window
+        if window is not None:
+            positions = self.positions  # [b, heads, n]; invalid (-1) entries are hidden already
+            at = self.pseudo_positions
+            if at is None:
+                last = positions.amax(dim=(1, 2))  # [b]
+                at = last[:, None] + 1 + torch.arange(m, device=positions.device)[None]
+            at = at.to(positions.device)
+            hidden = positions[:, :, None, :] <= (at - window)[:, None, :, None]  # [b, heads, m, n]
+            logits.view(b, heads, hq // heads, m, n).masked_fill_(hidden[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if window is not None:  # a row that sees no prompt key attends to nothing here
+            probs = probs.nan_to_num_(0.0)
         if self.pseudo_valid is not None:
             probs = probs * self.pseudo_valid[:, None, :, None].to(probs.device, probs.dtype)
         return probs
@@ -434,6 +451,7 @@ class LookaheadMixin:
             obs = LookaheadObservation(
                 layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
                 pseudo_query=record.queries[layer_idx], pseudo_valid=record.valid,
+                pseudo_positions=record.positions,
             )  # fmt: skip
             session.kept[:, layer_idx] = self.compress_layer(obs, session.targets)
             if self.cascading:

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/claims_tables.py [--update docs/claims.md] [--leaderboard results/leaderboard]
         [--baklava results/claims-baklava] [--asl-ttft results/claims-asl-ttft] [--dtype-check DIR]
+        [--agnostic results/leaderboard-agnostic]
 
 Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
 those blocks in the file.
@@ -225,6 +226,28 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-overhead"] = laq_overhead(rows)
+    out.update(agnostic_blocks(args.agnostic))
+    return out
+
+
+#: The question-agnostic track's pairs: the query-free scores (made for this track) against the
+#: question-window scores that lose their question here, and the seed methods against SnapKV.
+AGNOSTIC_PAIRS = [
+    ("keydiff", "snapkv"), ("keydiff", "streamingllm"), ("kvzip", "snapkv"), ("kvzip", "keydiff"),
+    ("lagkv", "snapkv"), ("qfilter", "snapkv"), ("chunkkv", "snapkv"), ("lava", "snapkv"),
+    ("laq", "snapkv"), ("expected-attention", "snapkv"),
+]  # fmt: skip
+
+
+def agnostic_blocks(folder: Path) -> dict[str, list[str]]:
+    """The question-agnostic track's tables (``agnostic-RATIO``, ``agnostic-kvpress``,
+    ``agnostic-pairs``) from ``folder``'s rows, or a line saying none ran yet."""
+    ratios = (0.875, 0.75, 0.5, 0.25)
+    exists = (folder / "results.jsonl").exists() or (folder / "results.jsonl.gz").exists()
+    rows = [r for r in load_rows(folder / "results.jsonl") if r.get("error") is None] if exists else []
+    out = {f"agnostic-{ratio:g}": leaderboard_table(rows, ratio, shared=True) for ratio in ratios}
+    out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
+    out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
     return out
 
 
@@ -357,6 +380,7 @@ def main() -> None:
     parser.add_argument("--baklava", type=Path, default=Path("results/claims-baklava"))
     parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
     parser.add_argument("--dtype-check", type=Path, default=Path("results/dtype-check"))
+    parser.add_argument("--agnostic", type=Path, default=Path("results/leaderboard-agnostic"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard.md)",

@@ -229,7 +229,12 @@ def test_lookahead_changes_the_selection(llama, chat_tokenizer):
 
 # ---------------------------------------------------------------------------------- reference
 def lookahead_reference(
-    fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int, masked: bool = False, window: int | None = None,
+    fx: Fixture,
+    pseudo: np.ndarray,
+    w2: int,
+    kernel: int,
+    masked: bool = False,
+    window: int | None = None,
     shift: int = 0,
 ):
     """Eq. 4–5 with SnapKV's reduction, written from the paper (arXiv:2505.20334): per KV head,
@@ -328,7 +333,8 @@ def test_pseudo_rows_see_only_their_window_on_a_sliding_window_layer(name, w2):
     layer.sliding_window = window
     later = LookaheadObservation(
         0, LAYERS, fx.q[:, :, N - w2 :], layer, SCALE, pseudo_query=pseudo,
-        pseudo_valid=torch.ones(1, m, dtype=torch.bool), pseudo_positions=torch.tensor([[N + 2, N + 3, N + 4]]),
+        pseudo_valid=torch.ones(1, m, dtype=torch.bool),
+        pseudo_positions=torch.tensor([[N + 2, N + 3, N + 4]]),
     )  # fmt: skip
     shifted = lookahead_reference(fx, pseudo[0].double().numpy(), w2, 3, window=window, shift=2)
     np.testing.assert_allclose(

@@ -164,7 +164,8 @@ def test_kvzip_on_sliding_window_layers_scores_what_the_window_shows(tmp_path: P
 
     from conftest import TINY
 
-    MistralForCausalLM(MistralConfig(**TINY, initializer_range=0.2, sliding_window=60)).save_pretrained(tmp_path)
+    config = MistralConfig(**TINY, initializer_range=0.2, sliding_window=60)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
     tok = tiny_tokenizer(chat_template=True)
     tok.save_pretrained(tmp_path)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

@@ -159,20 +159,34 @@ def asl_ttft(path: Path) -> list[str]:
     return lines
 
 
+def has_results(folder: Path) -> bool:
+    """Whether ``folder`` holds a results file (``results.jsonl`` or its committed ``.gz``)."""
+    return (folder / "results.jsonl").exists() or (folder / "results.jsonl.gz").exists()
+
+
 def dtype_table(rows: list[dict]) -> list[str]:
-    """Full-cache scores in bfloat16 and float32 on the same samples, per task and over tasks."""
+    """Full-cache scores in bfloat16 and float32 on the same samples, per task and over tasks, and
+    how many samples got the same answer, token for token, in both dtypes."""
     rows = [{**r, "label": r["dtype"]} for r in rows if r["method"] == "full" and r.get("score") is not None]
     tasks = sorted({r["task"] for r in rows})
-    lines = ["| task | bfloat16 | float32 | bf16 − fp32 | samples |", "|---|---|---|---|---|"]
+    answers: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+    for r in rows:
+        answers[(r["task"], r["sample"])][r["dtype"]] = r["prediction"]
+    lines = [
+        "| task | bfloat16 | float32 | bf16 − fp32 | samples | identical answers |",
+        "|---|---|---|---|---|---|",
+    ]
     anywhere = ("r", 0.0)  # full-cache rows have no column: any column matches them
     for name, wanted in [*((t, [t]) for t in tasks), ("**mean over tasks**", tasks)]:
         result = _try(rows, "bfloat16", "float32", anywhere, wanted)
         if result is None:
             continue
         a, b = result.a, result.b
+        pairs = [both for (task, _), both in answers.items() if task in wanted and len(both) == 2]
+        same = sum(both["bfloat16"] == both["float32"] for both in pairs)
         lines.append(
             f"| {name} | {_pct(a.mean)} [{_pct(a.low)}, {_pct(a.high)}] | {_pct(b.mean)} [{_pct(b.low)}, "
-            f"{_pct(b.high)}] | {_cell(result)} | {result.difference.n} |"
+            f"{_pct(b.high)}] | {_cell(result)} | {result.difference.n} | {same} of {len(pairs)} |"
         )
     return lines
 
@@ -182,7 +196,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     rows = [r for r in load_rows(args.leaderboard / "results.jsonl") if r.get("error") is None]
     extraction = sorted(t for t in {r["task"] for r in rows} if t != "lcc")
     out: dict[str, list[str]] = {}
-    if (args.dtype_check / "results.jsonl").exists() or (args.dtype_check / "results.jsonl.gz").exists():
+    if has_results(args.dtype_check):
         out["dtype"] = dtype_table(load_rows(args.dtype_check / "results.jsonl"))
 
     base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]
@@ -204,7 +218,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
 
     bak = [("baklava", "streamingllm"), ("baklava", "squeezeattention"), ("baklava-snapkv", "snapkv")]
     out["baklava-tasks"] = pairs_table(rows, bak)
-    if (args.baklava / "results.jsonl").exists() or (args.baklava / "results.jsonl.gz").exists():
+    if has_results(args.baklava):
         ppl = [r for r in load_rows(args.baklava / "results.jsonl") if r.get("error") is None]
         profile = ":profile=" + str(args.baklava / "profile.json")
         tuned = {label: label + profile for label in ("baklava", "squeezeattention")}
@@ -243,8 +257,8 @@ def agnostic_blocks(folder: Path) -> dict[str, list[str]]:
     """The question-agnostic track's tables (``agnostic-RATIO``, ``agnostic-kvpress``,
     ``agnostic-pairs``) from ``folder``'s rows, or a line saying none ran yet."""
     ratios = (0.875, 0.75, 0.5, 0.25)
-    exists = (folder / "results.jsonl").exists() or (folder / "results.jsonl.gz").exists()
-    rows = [r for r in load_rows(folder / "results.jsonl") if r.get("error") is None] if exists else []
+    rows = load_rows(folder / "results.jsonl") if has_results(folder) else []
+    rows = [r for r in rows if r.get("error") is None]
     out = {f"agnostic-{ratio:g}": leaderboard_table(rows, ratio, shared=True) for ratio in ratios}
     out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]

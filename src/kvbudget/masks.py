@@ -19,6 +19,14 @@ def causal_visibility(n_keys: int, q: int, device: torch.device) -> torch.Tensor
     return (cols[None, :] < n_old) | (cols[None, :] - n_old <= rows[:, None])
 
 
+def in_window(keys: torch.Tensor, queries: torch.Tensor, window: int) -> torch.Tensor:
+    """``[..., q, n]`` bool: True where key position ``keys[..., j]`` is ``> p − window`` for the
+    query at position ``p = queries[..., i]`` (``keys: [..., n]``, ``queries: [..., q]``, leading
+    dimensions broadcast). Queries need not be keys of the cache (LAQ's pseudo tokens, KVzip's
+    reconstruction pass)."""
+    return keys[..., None, :] > queries[..., :, None] - window
+
+
 def window_visibility(positions: torch.Tensor, q: int, window: int) -> torch.Tensor:
     """Sliding-window visibility: ``[b, 1, q, n]`` (``positions: [b, n]``) or ``[b, h, q, n]``
     (``[b, h, n]``), True where the key's position is ``> p − window`` for the query at position
@@ -26,7 +34,7 @@ def window_visibility(positions: torch.Tensor, q: int, window: int) -> torch.Ten
     here (their rows are masked by validity elsewhere)."""
     keys = positions if positions.dim() == 3 else positions[:, None]
     queries = keys[..., -q:]
-    return (keys[..., None, :] > queries[..., :, None] - window) | (queries[..., :, None] < 0)
+    return in_window(keys, queries, window) | (queries[..., :, None] < 0)
 
 
 def attention_mask_for(

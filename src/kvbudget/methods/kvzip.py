@@ -12,6 +12,7 @@ import torch
 
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import KVBudgetError, MethodOptionError
+from kvbudget.masks import in_window
 from kvbudget.methods.base import Method
 from kvbudget.selection import protected_mask, select_keep
 from kvbudget.session import CompressionSession
@@ -133,9 +134,9 @@ class ReconstructionScores(CompressionSession):
             rows = torch.arange(a, b, device=keys.device)[:, None]
             future = torch.arange(q, device=keys.device)[None, :] > rows  # the pass's own tokens, causal
             logits[..., lead + m :].masked_fill_(future, float("-inf"))
-            if window is not None:  # [h, rows, keys]: keys the query's window no longer holds
-                hidden = sub_pos[:, None, :] <= (pos[:, n + a : n + b] - window)[:, :, None]
-                logits.masked_fill_(hidden[:, None], float("-inf"))
+            if window is not None:  # [h, rows, keys]: keys the query's window still holds
+                seen = in_window(sub_pos, pos[:, n + a : n + b], window)
+                logits.masked_fill_(~seen[:, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1)[..., lead : lead + m]
             best = torch.maximum(best, probs.amax(dim=(1, 2)))
         self.scores[layer_idx][:, start:end] = best.to(self.scores[layer_idx].device)

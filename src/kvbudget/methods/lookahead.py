@@ -31,6 +31,7 @@ import torch
 
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import BudgetError, KVBudgetError, MethodOptionError
+from kvbudget.masks import in_window
 from kvbudget.methods.base import Method
 from kvbudget.methods.combinations import COMBINATIONS
 from kvbudget.methods.full import FullCache
@@ -110,9 +111,8 @@ class LookaheadObservation(Observation):
             if at is None:
                 last = positions.amax(dim=(1, 2))  # [b]
                 at = last[:, None] + 1 + torch.arange(m, device=positions.device)[None]
-            at = at.to(positions.device)
-            hidden = positions[:, :, None, :] <= (at - window)[:, None, :, None]  # [b, heads, m, n]
-            logits.view(b, heads, hq // heads, m, n).masked_fill_(hidden[:, :, None], float("-inf"))
+            seen = in_window(positions, at.to(positions.device)[:, None], window)  # [b, heads, m, n]
+            logits.view(b, heads, hq // heads, m, n).masked_fill_(~seen[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if window is not None:  # a row that sees no prompt key attends to nothing here
             probs = probs.nan_to_num_(0.0)

@@ -336,6 +336,17 @@ def _mean_over_tasks(rows: list[dict], label: str, column: tuple[str, float], ta
     )
 
 
+def _best(labels: list[str], means: dict[str, float]) -> str:
+    """The label with the highest mean; ties go to the first name in sorted order, so every render
+    prints the same row."""
+    return min(labels, key=lambda label: (-means[label], label))
+
+
+def _best_cell(best: str, labels: list[str], means: dict[str, float]) -> str:
+    tied = sum(1 for label in labels if label != best and means[label] == means[best])
+    return f"{best} {100 * means[best]:.1f}" + (f" (tied with {tied} more)" if tied else "")
+
+
 def best_against_kvpress(rows: list[dict], ratios: tuple[float, ...]) -> list[str]:
     """At each ratio, kvbudget's best method held to the budget against kvpress's best press, on the
     tasks every kvpress press and both bests finished: their means and the paired difference."""
@@ -359,11 +370,11 @@ def best_against_kvpress(rows: list[dict], ratios: tuple[float, ...]) -> list[st
             continue
 
         means = {label: _mean_over_tasks(mine, label, column, tasks) for label in [*ours, *peers]}
-        best_ours, best_peer = max(ours, key=means.get), max(peers, key=means.get)
+        best_ours, best_peer = _best(ours, means), _best(peers, means)
         diff = _try(rows, best_ours, best_peer, column, sorted(tasks))
         lines.append(
-            f"| {ratio:g} | {best_ours} {100 * means[best_ours]:.1f} | "
-            f"{best_peer} {100 * means[best_peer]:.1f} | {_cell(diff)} | {len(tasks)} |"
+            f"| {ratio:g} | {_best_cell(best_ours, ours, means)} | "
+            f"{_best_cell(best_peer, peers, means)} | {_cell(diff)} | {len(tasks)} |"
         )
         found = True
     return lines if found else ["(no kvpress rows finished yet)"]

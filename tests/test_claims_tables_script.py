@@ -1,0 +1,50 @@
+"""scripts/claims_tables.py renders the same kvbudget-vs-kvpress row whatever order the rows (and the
+hash seed) put tied methods in."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "claims_tables.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("claims_tables", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(scores: dict[str, float]) -> list[dict]:
+    rows = []
+    for label, score in scores.items():
+        for sample in range(20):
+            rows.append({"label": label, "task": "needle", "length": 2048, "sample": sample,
+                         "compression_ratio": None if label == "full" else 0.5,
+                         "score": score if sample % 2 else 1.0})  # fmt: skip
+    return rows
+
+
+def test_tied_best_methods_render_the_same_row_in_any_order():
+    tables = _load()
+    scores = {"full": 1.0, "snapkv": 0.0, "zeta": 1.0, "alpha": 1.0}
+    scores |= {"kvpress:snapkv": 0.0, "kvpress:tova": 0.5}
+    rendered = set()
+    for seed in range(5):
+        rows = _rows(scores)
+        random.Random(seed).shuffle(rows)
+        rendered.add("\n".join(tables.best_against_kvpress(rows, (0.5,))))
+    assert len(rendered) == 1
+    (table,) = rendered
+    best_row = table.splitlines()[-1]
+    assert best_row.startswith("| 0.5 | alpha 100.0 (tied with 1 more) | kvpress:tova 75.0 |")
+    assert best_row.endswith("| 1 |")
+
+
+def test_a_single_best_is_named_without_a_tie_note():
+    tables = _load()
+    means = {"a": 0.5, "b": 0.75, "c": 0.25}
+    assert tables._best(list(means), means) == "b"
+    assert tables._best_cell("b", list(means), means) == "b 75.0"

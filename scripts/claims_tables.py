@@ -249,7 +249,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
 AGNOSTIC_PAIRS = [
     ("keydiff", "snapkv"), ("keydiff", "streamingllm"), ("kvzip", "snapkv"), ("kvzip", "keydiff"),
     ("lagkv", "snapkv"), ("qfilter", "snapkv"), ("chunkkv", "snapkv"), ("lava", "snapkv"),
-    ("laq", "snapkv"), ("expected-attention", "snapkv"),
+    ("laq", "snapkv"), ("expected-attention", "snapkv"), ("kvzip", "expected-attention"),
 ]  # fmt: skip
 
 

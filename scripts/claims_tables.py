@@ -169,9 +169,9 @@ def dtype_table(rows: list[dict]) -> list[str]:
     how many samples got the same answer, token for token, in both dtypes."""
     rows = [{**r, "label": r["dtype"]} for r in rows if r["method"] == "full" and r.get("score") is not None]
     tasks = sorted({r["task"] for r in rows})
-    answers: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+    answers: dict[tuple[str, int, int], dict[str, str]] = defaultdict(dict)
     for r in rows:
-        answers[(r["task"], r["sample"])][r["dtype"]] = r["prediction"]
+        answers[(r["task"], r["length"], r["sample"])][r["dtype"]] = r["prediction"]
     lines = [
         "| task | bfloat16 | float32 | bf16 − fp32 | samples | identical answers |",
         "|---|---|---|---|---|---|",
@@ -182,7 +182,7 @@ def dtype_table(rows: list[dict]) -> list[str]:
         if result is None:
             continue
         a, b = result.a, result.b
-        pairs = [both for (task, _), both in answers.items() if task in wanted and len(both) == 2]
+        pairs = [both for (task, _, _), both in answers.items() if task in wanted and len(both) == 2]
         same = sum(both["bfloat16"] == both["float32"] for both in pairs)
         lines.append(
             f"| {name} | {_pct(a.mean)} [{_pct(a.low)}, {_pct(a.high)}] | {_pct(b.mean)} [{_pct(b.low)}, "

@@ -1,5 +1,5 @@
-"""scripts/claims_tables.py renders the same kvbudget-vs-kvpress row whatever order the rows (and the
-hash seed) put tied methods in."""
+"""scripts/claims_tables.py renders the same kvbudget-vs-kvpress row whatever order the rows come in:
+tied methods are broken by name, not by the order a set of labels happens to iterate in."""
 
 from __future__ import annotations
 

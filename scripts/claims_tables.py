@@ -233,6 +233,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
         out[f"leaderboard-{ratio:g}"] = leaderboard_table(rows, ratio)
         out[f"leaderboard-{ratio:g}-shared"] = leaderboard_table(rows, ratio, shared=True)
     out["leaderboard-kvpress"] = best_against_kvpress(rows, (0.875, 0.75, 0.5, 0.25))
+    out["leaderboard-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS)
     newer = [("chunkkv", "snapkv"), ("chunkkv", "laq"), ("kvzip", "snapkv"), ("kvzip", "cake"),
              ("r-kv", "snapkv"), ("expected-attention", "snapkv"), ("keydiff", "streamingllm"),
              ("lagkv", "streamingllm"), ("qfilter", "streamingllm")]  # fmt: skip
@@ -253,15 +254,28 @@ AGNOSTIC_PAIRS = [
 ]  # fmt: skip
 
 
+#: kvpress's presses against kvbudget's implementation of the same method, same samples. SnapKV,
+#: AdaKV and PyramidKV run at kvpress's defaults there (window 64) and at the papers' here.
+SAME_METHOD_PAIRS = [
+    (f"{PEER_PREFIX}{press}", ours)
+    for press, ours in [
+        ("expected_attention", "expected-attention"), ("keydiff", "keydiff"), ("knorm", "knorm"),
+        ("tova", "tova"), ("observed_attention", "observed-attention"), ("streaming_llm", "streamingllm"),
+        ("snapkv", "snapkv"), ("adakv_snapkv", "ada-snapkv"), ("pyramidkv", "pyramidkv"),
+    ]
+]  # fmt: skip
+
+
 def agnostic_blocks(folder: Path) -> dict[str, list[str]]:
     """The question-agnostic track's tables (``agnostic-RATIO``, ``agnostic-kvpress``,
-    ``agnostic-pairs``) from ``folder``'s rows, or a line saying none ran yet."""
+    ``agnostic-pairs``, ``agnostic-kvpress-same``) from ``folder``'s rows, or a line saying none ran yet."""
     ratios = (0.875, 0.75, 0.5, 0.25)
     rows = load_rows(folder / "results.jsonl") if has_results(folder) else []
     rows = [r for r in rows if r.get("error") is None]
     out = {f"agnostic-{ratio:g}": leaderboard_table(rows, ratio, shared=True) for ratio in ratios}
     out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
+    out["agnostic-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS) if rows else ["(no rows yet)"]
     return out
 
 

@@ -48,3 +48,16 @@ def test_a_single_best_is_named_without_a_tie_note():
     means = {"a": 0.5, "b": 0.75, "c": 0.25}
     assert tables._best(list(means), means) == "b"
     assert tables._best_cell("b", list(means), means) == "b 75.0"
+
+
+def test_each_kvpress_press_is_paired_with_a_registered_method_of_the_same_name():
+    """A misspelt name would render a silent "–" row: every pair names a press the peer harness runs
+    and a method kvbudget registers, and every press but the full cache has its pair."""
+    from kvbudget.eval.peer_rows import PRESSES
+    from kvbudget.eval.report import PEER_PREFIX
+    from kvbudget.methods.registry import method_names
+
+    pairs = _load().SAME_METHOD_PAIRS
+    presses = [press.removeprefix(PEER_PREFIX) for press, _ in pairs]
+    assert sorted(presses) == sorted(name for name in PRESSES if name != "no_press")
+    assert all(ours in method_names() for _, ours in pairs)

@@ -164,6 +164,29 @@ def test_compress_context_only_appends_the_question_uncompressed(llama, chat_tok
     assert torch.equal(agnostic.budgets, torch.full_like(agnostic.budgets, 40))
 
 
+@pytest.mark.parametrize("method", ["keydiff", "tova", "cake", "d2o", "baklava", "cam", "r-kv"])
+def test_question_agnostic_decoding_keeps_the_appended_question(method, llama, chat_tokenizer):
+    """A method that holds its budget while decoding holds what the prefill kept plus the appended
+    question (each layer its own plan, for the methods with one): the first decode step does not
+    evict the question back to the budget."""
+    aware = kvbudget.generate(llama, chat_tokenizer, CONTEXT * 2, "Why?", method="snapkv", budget=40,
+                              max_new_tokens=1)  # fmt: skip
+    agnostic = kvbudget.generate(llama, chat_tokenizer, CONTEXT * 2, "Why?", method=method, budget=40,
+                                 max_new_tokens=6, compress_context_only=True, return_cache=True)  # fmt: skip
+    assert len(agnostic.token_ids) >= 2  # at least one decode step ran (and held the budget)
+    question_tokens = aware.prompt_tokens - int(agnostic.cache_stats_before.entries[0, 0])
+    steps = len(agnostic.token_ids) - 1  # decode steps, each adds one entry and evicts one
+    first_question = aware.prompt_tokens - question_tokens
+    assert agnostic.budgets.float().mean() == 40  # per-layer plans (CAKE, D2O, BaKlaVa) average the budget
+    grown = steps if method == "r-kv" else 0  # R-KV re-selects once 128 decoded tokens are buffered
+    for i, layer in enumerate(agnostic.cache.layers):
+        assert torch.equal(layer.head_lengths()[0], agnostic.budgets[i] + question_tokens + grown)
+        for head in layer.positions[0]:
+            # a decode step evicts one entry, question or not: never the whole question at once
+            evicted = set(range(first_question, aware.prompt_tokens)) - set(head.tolist())
+            assert len(evicted) <= steps
+
+
 def test_sampling_is_seeded_and_top_p_tiny_is_greedy(llama, chat_tokenizer):
     def run(**kw):
         return kvbudget.generate(llama, chat_tokenizer, CONTEXT, "Why?", method="snapkv", budget=40,

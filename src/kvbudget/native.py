@@ -15,8 +15,9 @@ The cache tells the phases apart by what the model feeds it:
 
 * its first forward is the prefill (``generate`` sends the whole prompt at once);
 * a later forward of one token is a decode step;
-* a later forward of several tokens is appended uncompressed — a question after a compressed
-  context (see :meth:`CompressingCache.copy`), as kvbudget's question-agnostic mode appends it. A
+* a later forward of several tokens is appended uncompressed and outside the budget — a question
+  after a compressed context (see :meth:`CompressingCache.copy`), as kvbudget's question-agnostic
+  mode appends it: decode-stage methods then hold what the prefill kept plus those tokens. A
   one-token question is taken for a decode step (decode-stage methods then trim after it too).
 
 Attention: the constructor routes the model's attention through kvbudget (:func:`kvbudget.attach`:
@@ -126,6 +127,8 @@ class _GenerateSession(CompressionSession):
         if self.phase == "prefill" and layer_idx == 0 and self.ratio is not None:
             check_ratio_budgets(self.method, self.ratio, layer.head_lengths()[:, 0].tolist())
         if self.phase == "decode" and query.shape[2] > 1:
+            if layer_idx == 0:  # outside the budget: decode-stage methods hold it too
+                self.note_appended((layer.head(0)[2][:, -query.shape[2] :] >= 0).sum(-1).tolist())
             return
         super().after_attention(layer_idx, query, layer, scaling, layers)
         if self.phase == "prefill" and layer_idx == self.num_layers - 1:

@@ -133,10 +133,19 @@ def run_lookahead(
 def append_uncompressed(
     model: PreTrainedModel, inputs: PrefillInputs, cache: BudgetCache
 ) -> torch.Tensor | None:
-    """Prefill the part after ``compressed_until`` with the session off; its last logits, or None."""
+    """Prefill the part after ``compressed_until`` with the session off; its last logits, or None.
+
+    The appended tokens are outside the budget (:meth:`CompressionSession.note_appended`): a method
+    that holds its budget while decoding keeps them, as kvpress's question-agnostic mode does,
+    rather than evicting the question at the first decode step.
+    """
     if inputs.compressed_until == inputs.ids.shape[1]:
         return None
-    if cache.session is not None:
-        cache.session.phase = "off"
+    session = cache.session
+    if session is not None:
+        session.phase = "off"
     cut = inputs.compressed_until
-    return forward_last_logits(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
+    logits = forward_last_logits(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
+    if session is not None:
+        session.note_appended(inputs.mask[:, cut:].sum(-1).tolist())
+    return logits

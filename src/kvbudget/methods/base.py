@@ -269,8 +269,20 @@ class Method:
         """
         raise NotImplementedError(f"{self.name} has no lookahead stage")
 
+    def set_appended(self, counts: list[int]) -> None:
+        """Entries appended to each batch row after the compression, outside the budget (the
+        question, question-agnostic; set by the session). Run state, not an option."""
+        self.__dict__["_appended"] = list(counts)
+
+    def appended(self, row: int) -> int:
+        """Entries appended to ``row`` after the compression (0 if none): a method that holds a
+        per-layer plan while decoding adds them to its plan's limit."""
+        counts = self.__dict__.get("_appended") or []
+        return counts[row] if row < len(counts) else 0
+
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
-        """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods)."""
+        """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods); the
+        budgets include what was appended after the compression (:meth:`appended`)."""
         raise NotImplementedError(f"{self.name} does not act while decoding")
 
     def trim_to(self, obs: Observation, row_budgets: list[int]) -> None:

@@ -193,7 +193,7 @@ class CAKE(LayerwiseMethod):
         limits = []
         for r, budget in enumerate(row_budgets):
             planned = self.row_budget(r, obs.layer_idx)
-            limits.append(budget if planned is None else planned)
+            limits.append(budget if planned is None else planned + self.appended(r))
         if all(int(lengths[r].max()) <= limit for r, limit in enumerate(limits)):
             return
         valid = obs.valid

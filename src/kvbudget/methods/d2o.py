@@ -233,7 +233,7 @@ class D2O(Method):
         limits = []
         for r, budget in enumerate(row_budgets):
             planned = self.layer_budgets(r)
-            limits.append(budget if planned is None else planned[obs.layer_idx])
+            limits.append(budget if planned is None else planned[obs.layer_idx] + self.appended(r))
         if not self._evict_one(obs.layer, obs.layer_idx, limits):
             self.evict(obs.layer, obs.layer_idx, limits)
 

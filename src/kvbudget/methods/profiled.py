@@ -293,8 +293,9 @@ class ProfiledMethod(Method):
             last = max(int(p[r].max()) for p in positions)
             first = offsets[r] if r < len(offsets) else min(int(p[r][p[r] >= 0].min()) for p in positions)
             capacity = prefill_capacity.get(r, last - first + 1)
-            plan = self.cache_budgets(budget, capacity, self.row_ratio(r, budget, capacity))
-            limits.append(plan[obs.layer_idx])
+            base = budget - self.appended(r)  # the plan is the prefill's; what was appended is kept on top
+            plan = self.cache_budgets(base, capacity, self.row_ratio(r, base, capacity))
+            limits.append(plan[obs.layer_idx] + self.appended(r))
         if all(bool((lengths[r] <= limits[r]).all()) for r in range(len(row_budgets))):
             return
         self.check_shape(obs)

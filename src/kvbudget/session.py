@@ -41,9 +41,6 @@ class CompressionSession:
         kept: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
             layers are compressed; an uncompressed row keeps its whole length).
         row_budgets: per batch row, the resolved budget in entries per head.
-        appended: per batch row, entries added after the compression and outside its budget (the
-            question in question-agnostic mode, :meth:`note_appended`); a decode-stage method is
-            held at ``row_budgets[r] + appended[r]`` (its per-layer plan plus ``appended[r]``).
         targets: per batch row, the budget for the prefill (``None`` = the prompt fits, keep it).
         compress_seconds: time spent compressing the prompt (scoring and selecting during the
             prefill, plus a lookahead method's lookahead and re-selection).
@@ -70,7 +67,6 @@ class CompressionSession:
         self.phase = "prefill"
         self.kept: torch.Tensor | None = None
         self.row_budgets: list[int] | None = None
-        self.appended: list[int] | None = None
         self.targets: list[int | None] | None = None
         self.compress_seconds = 0.0
         self.decode_seconds = 0.0
@@ -112,16 +108,14 @@ class CompressionSession:
         """Add ``counts[r]`` entries appended to row ``r`` after the compression, uncompressed
         and outside the budget (the question, question-agnostic): decoding holds them too, rather
         than evicting the question back to the budget at its first step."""
-        previous = self.appended or [0] * len(counts)
-        self.appended = [a + int(n) for a, n in zip(previous, counts, strict=True)]
-        self.method.set_appended(self.appended)
+        self.method.set_appended([self.method.appended(r) + int(n) for r, n in enumerate(counts)])
 
     def decode_budgets(self) -> list[int]:
         """Per row, the entries per head a decode-stage method holds: the budget plus what was
-        appended uncompressed after the compression."""
+        appended uncompressed after the compression (``method.appended(r)``; a method with a
+        per-layer plan adds it to each layer's limit)."""
         assert self.row_budgets is not None
-        extra = self.appended or [0] * len(self.row_budgets)
-        return [b + n for b, n in zip(self.row_budgets, extra, strict=True)]
+        return [b + self.method.appended(r) for r, b in enumerate(self.row_budgets)]
 
     def after_attention(
         self,

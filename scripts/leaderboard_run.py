@@ -3,9 +3,10 @@
     .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
         [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32] [--peer-presses all]
 
-The model loads once for every task. Without budget options it runs the committed plan: ratio
-0.875 on every task, then 0.75, 0.5 and 0.25 on ``LEADERBOARD_CORE_TASKS`` (docs/leaderboard.md says
-why); with them (and ``--tasks``), only what they name.
+The model loads once for every task. Without budget options it runs the committed plan,
+``LEADERBOARD_PLAN``: ratio 0.875 on every task, then 0.5 on ``LEADERBOARD_CORE_TASKS``, then 0.75
+and 0.25 on those but lcc (docs/leaderboard.md says why); ``--tasks`` narrows each part to the tasks
+it names. With budget options (and ``--tasks``), only what they name.
 ``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
 ``KVBUDGET_LOCK``, if set, names a file locked (flock) around each sample, so that other torch work
 on the machine (a test run) waits at most one sample instead of a whole task. The runner skips
@@ -28,7 +29,7 @@ import kvbudget
 from kvbudget.eval.peer_rows import run_peer_rows
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
-from kvbudget.eval.suites import LEADERBOARD_CORE_TASKS, suite
+from kvbudget.eval.suites import LEADERBOARD_PLAN, suite
 
 
 @contextlib.contextmanager
@@ -71,8 +72,11 @@ def main() -> None:
         config = dataclasses.replace(config, compression_ratios=ratios, budgets=budgets)
         parts.append((ratios, args.tasks.split(",") if args.tasks else config.tasks))
     else:
-        core = args.tasks.split(",") if args.tasks else LEADERBOARD_CORE_TASKS
-        parts += [([0.875], args.tasks.split(",") if args.tasks else config.tasks), ([0.75, 0.5, 0.25], core)]
+        for ratios, planned in LEADERBOARD_PLAN:
+            tasks = planned if planned is not None else config.tasks
+            if args.tasks:
+                tasks = [t for t in tasks if t in args.tasks.split(",")]
+            parts.append((ratios, tasks))
     if args.methods:
         config = dataclasses.replace(config, methods=args.methods.split(","))
     config = dataclasses.replace(config, compress_context_only=args.agnostic)

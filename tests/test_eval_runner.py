@@ -25,7 +25,7 @@ from kvbudget.errors import BudgetError, KVBudgetError
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner, ratio_budget
 from kvbudget.eval.store import ResultStore, load_rows
-from kvbudget.eval.suites import LEADERBOARD_CORE_TASKS, suite
+from kvbudget.eval.suites import LEADERBOARD_CORE_TASKS, LEADERBOARD_PLAN, suite
 from kvbudget.eval.tasks import get_task
 from kvbudget.methods.registry import REGISTRY
 from kvbudget.methods.snapkv import SnapKV
@@ -251,6 +251,11 @@ def test_leaderboard_suite_is_the_issue_grid():
     assert config.lengths == [2048] and config.methods == ["all"]
     assert sorted(config.compression_ratios) == [0.25, 0.5, 0.75, 0.875] and config.budgets == []
     assert set(LEADERBOARD_CORE_TASKS) < set(config.tasks)
+    planned = [r for ratios, _ in LEADERBOARD_PLAN for r in ratios]  # each ratio once, 0.875 first
+    assert planned[0] == 0.875 and sorted(planned) == sorted(config.compression_ratios)
+    assert LEADERBOARD_PLAN[0][1] is None  # 0.875 on every task
+    for _, tasks in LEADERBOARD_PLAN[1:]:
+        assert tasks and set(tasks) <= set(LEADERBOARD_CORE_TASKS)
     families = {get_task(t).family for t in config.tasks}  # every task is registered
     assert families == {"needle", "ruler", "infinitebench", "code"}
     ruler = {"niah_single_1", "niah_multikey_2", "niah_multivalue", "vt", "fwe"}

@@ -242,6 +242,9 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     out["laq"] = pairs_table(rows, laq)
     out["laq-overhead"] = laq_overhead(rows)
     out.update(agnostic_blocks(args.agnostic))
+    if has_results(args.agnostic):
+        agnostic = [r for r in load_rows(args.agnostic / "results.jsonl") if r.get("error") is None]
+        out["tracks-0.5"] = tracks_table(rows, agnostic, 0.5)
     return out
 
 
@@ -277,6 +280,29 @@ def agnostic_blocks(folder: Path) -> dict[str, list[str]]:
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
     out["agnostic-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS) if rows else ["(no rows yet)"]
     return out
+
+
+def tracks_table(aware: list[dict], agnostic: list[dict], ratio: float) -> list[str]:
+    """Each kvbudget method at ``ratio`` in both tracks, on the same samples: its question-aware and
+    question-agnostic means over the tasks both finished and the paired difference, best aware first."""
+    column, tag = ("r", ratio), " (agnostic)"
+    at_ratio = [r for r in aware if row_column(r) == column and not r["label"].startswith(PEER_PREFIX)]
+    merged = at_ratio + [
+        {**r, "label": r["label"] + tag} for r in agnostic
+        if row_column(r) == column and not r["label"].startswith(PEER_PREFIX)
+    ]  # fmt: skip
+    labels = sorted({r["label"] for r in at_ratio})
+    found = [(label, d) for label in labels if (d := _try(merged, label, label + tag, column, None))]
+    if not found:
+        return [f"(no task finished in both tracks at r={ratio:g} yet)"]
+    lines = [
+        "| method | question-aware | question-agnostic | aware − agnostic [95% CI] | tasks |",
+        "|---|---|---|---|---|",
+    ]
+    for label, d in sorted(found, key=lambda item: (-item[1].a.mean, item[0])):
+        mark = " ¹" if label in BEYOND_BUDGET else ""
+        lines.append(f"| {label}{mark} | {_pct(d.a.mean)} | {_pct(d.b.mean)} | {_cell(d)} | {len(d.tasks)} |")
+    return lines
 
 
 def _complete_tasks(mine: list[dict], column: tuple[str, float]) -> dict[str, set[str]]:

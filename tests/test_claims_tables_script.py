@@ -61,3 +61,28 @@ def test_each_kvpress_press_is_paired_with_a_registered_method_of_the_same_name(
     presses = [press.removeprefix(PEER_PREFIX) for press, _ in pairs]
     assert sorted(presses) == sorted(name for name in PRESSES if name != "no_press")
     assert all(ours in method_names() for _, ours in pairs)
+
+
+def _track(scores: dict[str, list[float]]) -> list[dict]:
+    return [
+        {"label": label, "task": "needle", "length": 2048, "sample": i, "compression_ratio": 0.5, "score": s}
+        for label, per_sample in scores.items()
+        for i, s in enumerate(per_sample)
+    ]
+
+
+def test_tracks_table_pairs_each_method_with_itself_across_the_two_tracks():
+    """Question-aware against question-agnostic on the same samples: the means and the paired difference
+    are the hand-computed ones; kvpress's presses and methods that ran in one track only get no row."""
+    tables = _load()
+    ones, alternating = [1.0] * 20, [float(i % 2 == 0) for i in range(20)]
+    aware = _track({"snapkv": ones, "keydiff": alternating, "kvpress:snapkv": ones, "lava": ones})
+    agnostic = _track({"snapkv": alternating, "keydiff": alternating, "kvpress:snapkv": alternating})
+    lines = tables.tracks_table(aware, agnostic, 0.5)
+    assert len(lines) == 4  # header, rule, snapkv, keydiff
+    snapkv, keydiff = lines[2].split(" | "), lines[3].split(" | ")
+    assert snapkv[:3] == ["| snapkv", "100.0", "50.0"] and snapkv[-1] == "1 |"
+    low, high = (float(x) for x in snapkv[3].split("[")[1].rstrip("]").split(", "))
+    assert snapkv[3].startswith("+50.0 [") and 0 < low < 50 < high <= 100
+    assert keydiff[:4] == ["| keydiff", "50.0", "50.0", "+0.0 [+0.0, +0.0]"]
+    assert tables.tracks_table(aware, [], 0.5) == ["(no task finished in both tracks at r=0.5 yet)"]

@@ -99,13 +99,15 @@ def pairs_table(
 
 
 def selection_layers(rows: list[dict], methods: list[str]) -> list[str]:
-    """Per task: each method's selection layers (median, range, share with none selected)."""
+    """Per task: each method's selection layers (median, range, share with none selected), on the
+    (task, ratio) cells every method has finished (``MIN_SAMPLES`` samples)."""
     by = defaultdict(list)
     for r in rows:
         if r["method"] in methods and r.get("score") is not None and r.get("compression_ratio") is not None:
             by[(r["task"], r["method"], r["compression_ratio"])].append(r.get("selection_layer"))
     lines = ["| task | ratio | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
-    for task, ratio in sorted({(t, c) for t, _, c in by}):
+    cells_done = {(t, c) for t, _, c in by if all(len(by.get((t, m, c), [])) >= MIN_SAMPLES for m in methods)}
+    for task, ratio in sorted(cells_done):
         cells = []
         for m in methods:
             layers = by.get((task, m, ratio), [])
@@ -241,10 +243,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-overhead"] = laq_overhead(rows)
-    out.update(agnostic_blocks(args.agnostic))
-    if has_results(args.agnostic):
-        agnostic = [r for r in load_rows(args.agnostic / "results.jsonl") if r.get("error") is None]
-        out["tracks-0.5"] = tracks_table(rows, agnostic, 0.5)
+    out.update(agnostic_blocks(args.agnostic, rows))
     return out
 
 
@@ -269,9 +268,10 @@ SAME_METHOD_PAIRS = [
 ]  # fmt: skip
 
 
-def agnostic_blocks(folder: Path) -> dict[str, list[str]]:
+def agnostic_blocks(folder: Path, aware: list[dict]) -> dict[str, list[str]]:
     """The question-agnostic track's tables (``agnostic-RATIO``, ``agnostic-kvpress``,
-    ``agnostic-pairs``, ``agnostic-kvpress-same``) from ``folder``'s rows, or a line saying none ran yet."""
+    ``agnostic-pairs``, ``agnostic-kvpress-same``) from ``folder``'s rows, and ``tracks-0.5`` (against
+    the question-aware rows ``aware``), or a line saying none ran yet."""
     ratios = (0.875, 0.75, 0.5, 0.25)
     rows = load_rows(folder / "results.jsonl") if has_results(folder) else []
     rows = [r for r in rows if r.get("error") is None]
@@ -279,6 +279,7 @@ def agnostic_blocks(folder: Path) -> dict[str, list[str]]:
     out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
     out["agnostic-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS) if rows else ["(no rows yet)"]
+    out["tracks-0.5"] = tracks_table(aware, rows, 0.5)
     return out
 
 

@@ -72,11 +72,10 @@ def main() -> None:
         config = dataclasses.replace(config, compression_ratios=ratios, budgets=budgets)
         parts.append((ratios, args.tasks.split(",") if args.tasks else config.tasks))
     else:
+        named = args.tasks.split(",") if args.tasks else None
         for ratios, planned in LEADERBOARD_PLAN:
             tasks = planned if planned is not None else config.tasks
-            if args.tasks:
-                tasks = [t for t in tasks if t in args.tasks.split(",")]
-            parts.append((ratios, tasks))
+            parts.append((ratios, [t for t in tasks if named is None or t in named]))
     if args.methods:
         config = dataclasses.replace(config, methods=args.methods.split(","))
     config = dataclasses.replace(config, compress_context_only=args.agnostic)

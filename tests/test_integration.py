@@ -23,9 +23,9 @@ def model_and_tokenizer(real_model):
 
 
 @pytest.fixture(scope="module")
-def needle_1k(model_and_tokenizer):
+def needle_500(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
-    return needle_sample(tokenizer, length=1000, depth=0.5, haystack="essays", seed=1)
+    return needle_sample(tokenizer, length=500, depth=0.5, haystack="essays", seed=1)
 
 
 def _run(model_and_tokenizer, sample, **kwargs):
@@ -37,29 +37,29 @@ def _run(model_and_tokenizer, sample, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def full_1k(model_and_tokenizer, needle_1k):
-    return _run(model_and_tokenizer, needle_1k, method="full")
+def full_500(model_and_tokenizer, needle_500):
+    return _run(model_and_tokenizer, needle_500, method="full")
 
 
-def test_full_cache_finds_the_needle(full_1k, needle_1k):
-    assert needle_1k.answers[0] in full_1k.text, full_1k.text
+def test_full_cache_finds_the_needle(full_500, needle_500):
+    assert needle_500.answers[0] in full_500.text, full_500.text
 
 
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])
 def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(
-    name, model_and_tokenizer, needle_1k, full_1k
+    name, model_and_tokenizer, needle_500, full_500
 ):
-    full = full_1k
+    full = full_500
     budget = full.prompt_tokens + (len(full.token_ids) if name in DECODE_METHODS else 0)
-    result = _run(model_and_tokenizer, needle_1k, method=name, budget=budget)
+    result = _run(model_and_tokenizer, needle_500, method=name, budget=budget)
     assert result.token_ids == full.token_ids
 
 
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])
 @pytest.mark.parametrize("budget", [64, 128])
-def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_1k):
+def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_500):
     budget = max(budget, make_method(name).min_budget())  # qfilter's 64-token window needs 65
-    result = _run(model_and_tokenizer, needle_1k, method=name, budget=budget, max_new_tokens=6)
+    result = _run(model_and_tokenizer, needle_500, method=name, budget=budget, max_new_tokens=6)
     layers, heads = 30, 3
     assert result.budgets.shape == (layers, heads)
     assert len(result.token_ids) == 6 or result.token_ids[-1] == model_and_tokenizer[1].eos_token_id
@@ -71,7 +71,8 @@ def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_
         assert result.cache_stats_after.logical_bytes <= result.cache_stats_before.logical_bytes
         return
     assert int(entries.sum()) <= layers * heads * budget * 1.1  # pyramid's floored step may add a little
-    assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 5
+    # the ~550-token prompt kept at most 1.1 × 128 entries a head: the bytes shrink by over 3.5×
+    assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 3.5
 
 
 def test_ada_snapkv_saves_real_memory_with_skewed_head_budgets(model_and_tokenizer):
@@ -110,9 +111,9 @@ def test_batch_of_two_lengths_equals_each_alone(name, model_and_tokenizer):
         assert batched.budgets.equal(alone.budgets)
 
 
-def test_model_generate_continues_a_compressed_cache(model_and_tokenizer, needle_1k):
+def test_model_generate_continues_a_compressed_cache(model_and_tokenizer, needle_500):
     model, tokenizer = model_and_tokenizer
-    prompt = build_prompt(tokenizer, needle_1k.context, needle_1k.question, needle_1k.answer_prefix)
+    prompt = build_prompt(tokenizer, needle_500.context, needle_500.question, needle_500.answer_prefix)
     ids = torch.tensor([prompt.ids])
     cache = kvbudget.compress(model, ids[:, :-1], method="snapkv", budget=256)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)

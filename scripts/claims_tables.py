@@ -80,13 +80,17 @@ def pairs_table(
     min_samples: int = MIN_SAMPLES,
     scale: float = 100.0,
 ) -> list[str]:
-    """One row per pair, one column per compression column: mean(a) vs mean(b), a − b [95% CI]."""
+    """One row per pair, one column per compression column: mean(a) vs mean(b), a − b [95% CI].
+
+    A column where no pair has a finished task yet (a ratio still running) is left out."""
     columns = _columns([r for r in rows if r["label"] in {x for p in pairs for x in p}])
+    grid = {(pair, c): _try(rows, *pair, c, tasks, min_samples) for pair in pairs for c in columns}
+    columns = [c for c in columns if any(grid[pair, c] is not None for pair in pairs)]
     lines = ["| a − b | " + " | ".join(_label(c) for c in columns) + " |", "|---|" + "---|" * len(columns)]
     for a, b in pairs:
         cells = []
         for column in columns:
-            result = _try(rows, a, b, column, tasks, min_samples)
+            result = grid[(a, b), column]
             if result is None:
                 cells.append("–")
                 continue

@@ -86,3 +86,16 @@ def test_tracks_table_pairs_each_method_with_itself_across_the_two_tracks():
     assert snapkv[3].startswith("+50.0 [") and 0 < low < 50 < high <= 100
     assert keydiff[:4] == ["| keydiff", "50.0", "50.0", "+0.0 [+0.0, +0.0]"]
     assert tables.tracks_table(aware, [], 0.5) == ["(no task finished in both tracks at r=0.5 yet)"]
+
+
+def test_pairs_table_leaves_out_a_ratio_no_pair_has_finished():
+    """A ratio still running (fewer than 20 samples of every task) gets no column of dashes; a finished
+    ratio keeps its column with the hand-computed means."""
+    tables = _load()
+    done = [{"label": label, "task": "needle", "length": 2048, "sample": i, "compression_ratio": 0.5,
+             "score": score} for label, score in (("a", 1.0), ("b", 0.5)) for i in range(20)]  # fmt: skip
+    running = [dict(row, compression_ratio=0.75) for row in done if row["sample"] < 5]
+    table = tables.pairs_table(done + running, [("a", "b")])
+    assert table[0] == "| a − b | r=0.5 |"
+    assert table[2].startswith("| a − b | 100.0 vs 50.0: +50.0 [+50.0, +50.0] (1 tasks) |")
+    assert "r=0.75" not in "\n".join(table)

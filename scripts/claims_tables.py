@@ -24,10 +24,14 @@ from kvbudget.errors import KVBudgetError
 from kvbudget.eval.paired import PairedDifference, paired_difference, row_column
 from kvbudget.eval.report import PEER_PREFIX, across_tasks
 from kvbudget.eval.store import load_rows
+from kvbudget.eval.suites import LEADERBOARD_PLAN
 
 #: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard.md).
 BEYOND_BUDGET = ("asl-fullkv", "pyramidinfer")
 HARD = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "kv_retrieval")
+#: The tasks the leaderboard plan runs at every ratio (0.875, 0.75, 0.5 and 0.25): a gain read across
+#: ratios over these is read on one task set.
+EVERY_RATIO = sorted(set.intersection(*(set(tasks) for _, tasks in LEADERBOARD_PLAN if tasks is not None)))
 
 
 def _pct(value: float, scale: float = 100.0) -> str:
@@ -246,6 +250,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     out["leaderboard-newer"] = pairs_table(rows, newer)
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
+    out["laq-every-ratio"] = pairs_table(rows, laq, tasks=EVERY_RATIO)
     out["laq-overhead"] = laq_overhead(rows)
     out.update(agnostic_blocks(args.agnostic, rows))
     return out

@@ -99,3 +99,16 @@ def test_pairs_table_leaves_out_a_ratio_no_pair_has_finished():
     assert table[0] == "| a − b | r=0.5 |"
     assert table[2].startswith("| a − b | 100.0 vs 50.0: +50.0 [+50.0, +50.0] (1 tasks) |")
     assert "r=0.75" not in "\n".join(table)
+
+
+def test_every_ratio_tasks_are_the_plans_shared_tasks_and_filter_a_pair_table():
+    """The LAQ-by-ratio table reads one task set: the five core tasks but lcc, which the plan runs only
+    at 0.875 and 0.5; a pair table given those tasks leaves lcc's samples out of its means."""
+    tables = _load()
+    assert tables.EVERY_RATIO == ["needle", "niah_multikey_1", "niah_multikey_2", "niah_single_2", "vt"]
+    rows = [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": 0.75,
+             "score": 1.0 if label == "a" and task == "lcc" else 0.5}
+            for label in ("a", "b") for task in ("lcc", "vt") for i in range(20)]  # fmt: skip
+    assert "+25.0 [" in tables.pairs_table(rows, [("a", "b")])[2]
+    every = tables.pairs_table(rows, [("a", "b")], tasks=tables.EVERY_RATIO)
+    assert every[2] == "| a − b | 50.0 vs 50.0: +0.0 [+0.0, +0.0] (1 tasks) |"

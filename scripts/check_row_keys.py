@@ -12,7 +12,6 @@ Exit code 0 when every stored row matches (and at least one was checked), 1 othe
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
@@ -20,14 +19,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from kvbudget.eval.runner import EvalConfig, Runner
+from kvbudget.eval.store import load_rows
 from kvbudget.models import model_dir
-
-
-def stored_rows(folder: Path) -> list[dict]:
-    plain, packed = folder / "results.jsonl", folder / "results.jsonl.gz"
-    opener = (lambda: plain.open()) if plain.exists() else (lambda: gzip.open(packed, "rt"))
-    with opener() as lines:
-        return [json.loads(line) for line in lines]
 
 
 def main() -> int:
@@ -39,7 +32,7 @@ def main() -> int:
     rows = {
         (r["sample"], r["method"], r["label"], r["budget"] if r["compression_ratio"] is None else None,
          r["compression_ratio"]): r
-        for r in stored_rows(args.folder) if r["task"] == args.task
+        for r in load_rows(args.folder / "results.jsonl") if r["task"] == args.task
     }  # fmt: skip
     runner = Runner(EvalConfig(**{**config, "tasks": [args.task]}), out=None, load=False, progress=False)
     directory = model_dir(runner.config.model)

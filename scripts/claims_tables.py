@@ -23,7 +23,7 @@ from pathlib import Path
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.paired import PairedDifference, paired_difference, row_column
 from kvbudget.eval.report import PEER_PREFIX, across_tasks
-from kvbudget.eval.store import load_rows
+from kvbudget.eval.store import archive_parts, load_rows
 from kvbudget.eval.suites import LEADERBOARD_PLAN
 
 #: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard.md).
@@ -170,8 +170,8 @@ def asl_ttft(path: Path) -> list[str]:
 
 
 def has_results(folder: Path) -> bool:
-    """Whether ``folder`` holds a results file (``results.jsonl`` or its committed ``.gz``)."""
-    return (folder / "results.jsonl").exists() or (folder / "results.jsonl.gz").exists()
+    """Whether ``folder`` holds a results file (``results.jsonl`` or its committed archive)."""
+    return (folder / "results.jsonl").exists() or bool(archive_parts(folder / "results.jsonl"))
 
 
 def dtype_table(rows: list[dict]) -> list[str]:

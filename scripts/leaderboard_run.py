@@ -10,7 +10,8 @@ it names. With budget options (and ``--tasks``), only what they name.
 ``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
 ``KVBUDGET_LOCK``, if set, names a file locked (flock) around each sample, so that other torch work
 on the machine (a test run) waits at most one sample instead of a whole task. The runner skips
-finished rows, so the command resumes and a method registered later adds only its rows.
+finished rows, so the command resumes and a method registered later adds only its rows. After
+each task the rows are packed into the gzip parts a commit takes (``kvbudget pack OUT``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import kvbudget
 from kvbudget.eval.peer_rows import run_peer_rows
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
+from kvbudget.eval.store import pack_results
 from kvbudget.eval.suites import LEADERBOARD_PLAN, suite
 
 
@@ -120,6 +122,7 @@ def run_task(args: argparse.Namespace, config: EvalConfig, model, tokenizer, loc
             )
     else:
         runner.run()
+    pack_results(args.out / "results.jsonl")
     minutes = (time.time() - started) / 60
     print(
         f"{time.strftime('%H:%M:%S')} {config.tasks[0]} {config.compression_ratios} done in {minutes:.1f} min"

@@ -556,6 +556,27 @@ def report_command(
     console.print(f"report: [bold]{write_report(out, resamples=resamples)}[/bold]")
 
 
+@app.command("pack")
+@user_errors
+def pack_command(
+    out: Annotated[Path, typer.Argument(help="Results directory of `kvbudget eval`.")],
+) -> None:
+    """Gzip OUT/results.jsonl into OUT/results.NNN.jsonl.gz parts (under 1 MB each) to commit.
+
+    A clone without results.jsonl reads the parts (`kvbudget report`), and a rerun resumes from
+    them; after new rows only the last parts change.
+    """
+    from kvbudget.eval.store import pack_results
+
+    check.results_folder(out)
+    parts = pack_results(out / "results.jsonl")
+    size = sum(part.stat().st_size for part in parts)
+    names = (
+        f"{len(parts)} part: {parts[0].name}" if len(parts) == 1 else f"{len(parts)} parts: {parts[0].name} …"
+    )
+    console.print(f"packed {out / 'results.jsonl'} ({size / 1e6:.1f} MB) into {names}")
+
+
 @app.command()
 @user_errors
 def demo(

@@ -6,12 +6,16 @@ appends every missing row exactly once. Anything else that is not a row — a li
 before the last one, a JSON value without a ``key`` (a JSONL file of something else), bytes that
 are not UTF-8 — is a one-line :class:`~kvbudget.errors.ResultsFileError` naming the file and line;
 such a file is never changed.
+
+A repository commits the rows as an archive of numbered gzip parts (:func:`pack_results`,
+``kvbudget pack``), which is read, and unpacked for a rerun, when ``results.jsonl`` is absent.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import zlib
@@ -28,18 +32,102 @@ def config_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+PART_BYTES = 8 * 2**20
+"""Rows (uncompressed) per archive part: JSONL rows gzip about tenfold, so a part is under 1 MB."""
+
+
 def archive_path(path: Path) -> Path:
-    """``DIR/results.jsonl.gz``: the gzip copy of a results file that a repository commits (the
-    leaderboard's rows are several MB as plain JSONL). :func:`restore_archive` unpacks it."""
+    """``DIR/results.jsonl.gz``: a one-file archive of a results file, as earlier versions wrote it
+    (still read; :func:`pack_results` replaces it with numbered parts)."""
     return path.with_name(path.name + ".gz")
 
 
+def part_path(path: Path, index: int) -> Path:
+    """``DIR/results.NNN.jsonl.gz``: part ``index`` of the archive :func:`pack_results` writes."""
+    stem, _, suffix = path.name.partition(".")
+    return path.with_name(f"{stem}.{index:03d}.{suffix}.gz")
+
+
+def archive_parts(path: Path) -> list[Path]:
+    """The committed archive of ``DIR/results.jsonl``, in row order: its numbered parts
+    (``results.000.jsonl.gz`` …, :func:`pack_results`), or the one-file ``results.jsonl.gz``, or
+    nothing. A folder holding both kinds raises :class:`ResultsFileError` (which is current is
+    unknown)."""
+    parts = []
+    while part_path(path, len(parts)).exists():
+        parts.append(part_path(path, len(parts)))
+    legacy = archive_path(path)
+    if parts and legacy.exists():
+        raise ResultsFileError(
+            f"{path.parent} holds both {legacy.name} and {parts[0].name}: delete the stale archive "
+            f"(`kvbudget pack {path.parent}` writes the parts from {path.name})"
+        )
+    return parts or ([legacy] if legacy.exists() else [])
+
+
+def _read_part(part: Path) -> bytes:
+    if part.is_dir():
+        raise ResultsFileError(f"{part} is a folder, not a results file")
+    try:
+        return gzip.decompress(part.read_bytes())
+    except OSError as err:
+        if isinstance(err, gzip.BadGzipFile):
+            raise ResultsFileError(f"{part} is not a gzip file") from None
+        raise ResultsFileError(f"cannot read {part}: {err.strerror or err}") from None
+    except (EOFError, zlib.error):
+        raise ResultsFileError(f"{part} is a damaged gzip file") from None
+
+
 def restore_archive(path: Path) -> None:
-    """Unpack ``results.jsonl.gz`` into ``results.jsonl`` when only the archive exists, so reports
-    read it and a rerun resumes from it."""
-    archive = archive_path(path)
-    if not path.exists() and archive.exists():
-        path.write_bytes(gzip.decompress(archive.read_bytes()))
+    """Unpack the committed archive (:func:`archive_parts`) into ``results.jsonl`` when only the
+    archive exists, so reports read it and a rerun resumes from it."""
+    if path.exists():
+        return
+    parts = archive_parts(path)
+    if parts:
+        path.write_bytes(b"".join(_read_part(part) for part in parts))
+
+
+def pack_results(path: Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """Write ``DIR/results.jsonl`` (unpacked from its archive when only that exists) as the
+    numbered gzip parts a repository commits, and remove stale parts and a one-file
+    ``results.jsonl.gz``; returns the parts.
+
+    Each part holds whole rows, at most ``part_bytes`` of them uncompressed (a single longer row
+    gets a part of its own). Parts are cut greedily in file order and gzipped without a name or
+    time stamp, so after rows are appended the earlier parts are byte-identical and only the last
+    ones change in a commit. A torn last line is left out (it is not a row yet).
+    """
+    scan = scan_results(path)  # a file of something else is an error here, before anything is written
+    if not scan.rows:
+        raise ResultsFileError(
+            f"no rows in {scan.source} to pack: run `kvbudget eval --out {path.parent}` first"
+        )
+    restore_archive(path)  # an archive alone is repacked (a one-file results.jsonl.gz becomes parts)
+    data = path.read_bytes()[: scan.complete_bytes]
+    chunks: list[bytes] = []
+    start = 0
+    while start < len(data):
+        end = data.rfind(b"\n", start, start + part_bytes) + 1
+        if end <= start:  # one row longer than part_bytes
+            end = data.index(b"\n", start) + 1
+        chunks.append(data[start:end])
+        start = end
+    written = []
+    for index, chunk in enumerate(chunks):
+        buffer = io.BytesIO()
+        with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, compresslevel=9, mtime=0) as gz:
+            gz.write(chunk)
+        target = part_path(path, index)
+        if not target.exists() or target.read_bytes() != buffer.getvalue():
+            target.write_bytes(buffer.getvalue())
+        written.append(target)
+    stale = len(chunks)
+    while part_path(path, stale).exists():
+        part_path(path, stale).unlink()
+        stale += 1
+    archive_path(path).unlink(missing_ok=True)
+    return written
 
 
 @dataclass
@@ -86,28 +174,39 @@ def _parse_row(line: str, source: Path, number: int) -> dict[str, Any]:
 
 
 def scan_results(path: Path) -> ResultsScan:
-    """Read ``DIR/results.jsonl`` (or, when only that exists, ``results.jsonl.gz``) without changing
-    anything; a one-line :class:`ResultsFileError` names the file and line that is not a row.
+    """Read ``DIR/results.jsonl`` (or, when only that exists, its committed archive,
+    :func:`archive_parts`) without changing anything; a one-line :class:`ResultsFileError` names
+    the file and line that is not a row.
 
     Everything after the last newline is the unfinished last line: a complete row there (a file
     whose newline was lost) is kept, anything else is reported as torn (``torn_line``).
     """
-    archive = archive_path(path)
-    source = archive if not path.exists() and archive.exists() else path
-    if not source.exists():
-        return ResultsScan(source)
-    if source.is_dir():
-        raise ResultsFileError(f"{source} is a folder, not a results file")
+    parts = [] if path.exists() else archive_parts(path)
+    if not parts:
+        return _scan_file(path)
+    scan = ResultsScan(parts[0])
+    for part in parts:
+        piece = _scan_bytes(_read_part(part), part)
+        if piece.torn_line is not None or piece.unterminated:
+            raise ResultsFileError(f"{part} ends in the middle of a row: a damaged archive part")
+        scan.rows.extend(piece.rows)
+        scan.complete_bytes += piece.complete_bytes
+    return scan
+
+
+def _scan_file(path: Path) -> ResultsScan:
+    if not path.exists():
+        return ResultsScan(path)
+    if path.is_dir():
+        raise ResultsFileError(f"{path} is a folder, not a results file")
     try:
-        data = source.read_bytes()
-        if source == archive:
-            data = gzip.decompress(data)
+        data = path.read_bytes()
     except OSError as err:
-        if isinstance(err, gzip.BadGzipFile):
-            raise ResultsFileError(f"{source} is not a gzip file") from None
-        raise ResultsFileError(f"cannot read {source}: {err.strerror or err}") from None
-    except (EOFError, zlib.error):
-        raise ResultsFileError(f"{source} is a damaged gzip file") from None
+        raise ResultsFileError(f"cannot read {path}: {err.strerror or err}") from None
+    return _scan_bytes(data, path)
+
+
+def _scan_bytes(data: bytes, source: Path) -> ResultsScan:
     good = data.rfind(b"\n") + 1
     try:
         text = data[:good].decode("utf-8")
@@ -154,8 +253,8 @@ def no_results_message(out: Path) -> str:
 
 
 class ResultStore:
-    """``DIR/results.jsonl``: read the finished keys, append rows (a committed
-    ``results.jsonl.gz`` is unpacked first, :func:`restore_archive`).
+    """``DIR/results.jsonl``: read the finished keys, append rows (a committed archive is
+    unpacked first, :func:`restore_archive`).
 
     A torn last line is dropped from the file; :attr:`dropped` then describes it (else ``""``).
     A file that is not kvbudget rows raises :class:`ResultsFileError` and is left as it is.
@@ -204,6 +303,6 @@ def _jsonable(value: Any) -> Any:
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
-    """All complete rows of a results file (or its ``.gz``); a torn last line is skipped, not
+    """All complete rows of a results file (or its archive parts); a torn last line is skipped, not
     repaired, and nothing is written. Raises :class:`ResultsFileError` for a file of something else."""
     return scan_results(path).rows

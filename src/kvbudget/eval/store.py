@@ -78,14 +78,11 @@ def _read_part(part: Path) -> bytes:
         raise ResultsFileError(f"{part} is a damaged gzip file") from None
 
 
-def restore_archive(path: Path) -> None:
-    """Unpack the committed archive (:func:`archive_parts`) into ``results.jsonl`` when only the
-    archive exists, so reports read it and a rerun resumes from it."""
-    if path.exists():
-        return
-    parts = archive_parts(path)
-    if parts:
-        path.write_bytes(b"".join(_read_part(part) for part in parts))
+def restore_archive(path: Path, data: bytes) -> None:
+    """Write ``data``, the rows read from the committed archive (:func:`read_results`), to
+    ``results.jsonl`` when only the archive exists, so a rerun resumes from it."""
+    if data and not path.exists():
+        path.write_bytes(data)
 
 
 def pack_results(path: Path, part_bytes: int = PART_BYTES) -> list[Path]:
@@ -98,13 +95,12 @@ def pack_results(path: Path, part_bytes: int = PART_BYTES) -> list[Path]:
     time stamp, so after rows are appended the earlier parts are byte-identical and only the last
     ones change in a commit. A torn last line is left out (it is not a row yet).
     """
-    scan = scan_results(path)  # a file of something else is an error here, before anything is written
+    scan, data = read_results(path)  # a file of something else is an error here, before anything is written
     if not scan.rows:
         raise ResultsFileError(
             f"no rows in {scan.source} to pack: run `kvbudget eval --out {path.parent}` first"
         )
-    restore_archive(path)  # an archive alone is repacked (a one-file results.jsonl.gz becomes parts)
-    data = path.read_bytes()[: scan.complete_bytes]
+    restore_archive(path, data)  # an archive alone is repacked (a one-file results.jsonl.gz becomes parts)
     chunks: list[bytes] = []
     start = 0
     while start < len(data):
@@ -181,29 +177,33 @@ def scan_results(path: Path) -> ResultsScan:
     Everything after the last newline is the unfinished last line: a complete row there (a file
     whose newline was lost) is kept, anything else is reported as torn (``torn_line``).
     """
+    return read_results(path)[0]
+
+
+def read_results(path: Path) -> tuple[ResultsScan, bytes]:
+    """:func:`scan_results`, with the bytes it read up to the last newline (the archive's parts
+    joined), so a caller that writes them reads the file once."""
     parts = [] if path.exists() else archive_parts(path)
     if not parts:
-        return _scan_file(path)
-    scan = ResultsScan(parts[0])
+        if not path.exists():
+            return ResultsScan(path), b""
+        if path.is_dir():
+            raise ResultsFileError(f"{path} is a folder, not a results file")
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ResultsFileError(f"cannot read {path}: {err.strerror or err}") from None
+        scan = _scan_bytes(data, path)
+        return scan, data[: scan.complete_bytes]
+    scan, pieces = ResultsScan(parts[0]), []
     for part in parts:
-        piece = _scan_bytes(_read_part(part), part)
+        pieces.append(_read_part(part))
+        piece = _scan_bytes(pieces[-1], part)
         if piece.torn_line is not None or piece.unterminated:
             raise ResultsFileError(f"{part} ends in the middle of a row: a damaged archive part")
         scan.rows.extend(piece.rows)
         scan.complete_bytes += piece.complete_bytes
-    return scan
-
-
-def _scan_file(path: Path) -> ResultsScan:
-    if not path.exists():
-        return ResultsScan(path)
-    if path.is_dir():
-        raise ResultsFileError(f"{path} is a folder, not a results file")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ResultsFileError(f"cannot read {path}: {err.strerror or err}") from None
-    return _scan_bytes(data, path)
+    return scan, b"".join(pieces)
 
 
 def _scan_bytes(data: bytes, source: Path) -> ResultsScan:
@@ -268,8 +268,8 @@ class ResultStore:
         self._repair_and_load()
 
     def _repair_and_load(self) -> None:
-        scan = scan_results(self.path)  # checks the file (or its archive) before anything is written
-        restore_archive(self.path)
+        scan, data = read_results(self.path)  # checks the file (or its archive) before anything is written
+        restore_archive(self.path, data)
         if not self.path.exists():
             return
         self.rows = scan.rows

@@ -18,6 +18,35 @@ from transformers import (
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch device the suite runs on, e.g. cuda: tensors and tiny models are made there "
+        "(torch.set_default_device), and tests/test_device.py compares every method there with the CPU",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = torch.device(config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: CUDA is not available on this machine")
+    if device.type != "cpu":
+        torch.set_default_device(device)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``device`` compare ``--device`` with the CPU: on the CPU alone there is nothing to
+    compare, so they run only when ``--device`` names another device."""
+    if config.getoption("--device") != "cpu":
+        return
+    kept = [item for item in items if item.get_closest_marker("device") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 TINY = dict(
     vocab_size=96,
     hidden_size=64,

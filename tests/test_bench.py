@@ -203,3 +203,68 @@ def test_fit_prompt_hits_the_requested_total_length() -> None:
     for length in (300, 1000):
         prompt = fit_prompt(tokenizer, "needle", length)
         assert length - 15 <= len(prompt.ids) <= length
+
+
+def _config_only_model(directory: Path) -> Path:
+    """A folder with a tiny Llama's ``config.json`` and a tokenizer, and no weight file."""
+    from conftest import tiny_tokenizer
+
+    LlamaConfig(**TINY).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    assert not list(directory.glob("*.safetensors")) and not list(directory.glob("*.bin"))
+    return directory
+
+
+def test_random_weights_build_a_model_from_its_config_alone(tmp_path: Path) -> None:
+    from kvbudget.models import load_model
+
+    source = _config_only_model(tmp_path)
+    model, tokenizer = load_model(source, dtype="bfloat16", random_weights=True)
+    assert model.config.num_hidden_layers == TINY["num_hidden_layers"] and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.layers[0].self_attn.q_proj.weight.float().std() > 0  # initialised, not empty
+    assert tokenizer.pad_token == "[PAD]"
+    with pytest.raises(OSError):  # without the flag the missing weights are an error
+        load_model(source)
+
+
+def test_worker_measures_a_random_weight_model_and_keys_it_apart(tmp_path: Path) -> None:
+    source = str(_config_only_model(tmp_path))
+    spec = MeasureSpec(
+        model=source, method="snapkv", length=256, budget=64, new_tokens=3, random_weights=True
+    )
+    row = run_worker(spec, threads=1)
+    assert "error" not in row, row.get("error")
+    per_token = TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * 2 * 16 * 4  # head dim 64 / 4
+    assert row["logical_bytes"] == 64 * per_token and row["decode_steps"] == 2
+    assert "gpu_peak_bytes" not in row  # a CPU run reports the process's memory only
+    assert run_key(spec) != run_key(MeasureSpec(**{**asdict(spec), "random_weights": False}))
+    assert run_key(MeasureSpec()) == run_key(
+        {k: v for k, v in asdict(MeasureSpec()).items() if k != "random_weights"}
+    )
+
+
+def test_report_adds_the_gpu_peak_column_for_gpu_rows() -> None:
+    runs = [
+        {**_run(m, 1024, 64, 0, 0.01), "gpu_peak_bytes": peak}
+        for m, peak in (("full", 3 << 20), ("snapkv", 1 << 20))
+    ]
+    rows = aggregate(runs, bandwidth=None)
+    assert sorted(r["gpu_peak_bytes"] for r in rows) == [1 << 20, 3 << 20]
+    text = markdown(
+        {
+            "machine": {},
+            "config": {"model": "m", "dtype": "bfloat16", "new_tokens": 8, "repeats": 1, "threads": None},
+            "rows": rows,
+        }
+    )
+    assert "peak GPU MiB" in text and "| snapkv @64 | 1024 |" in text
+    assert [line.count("|") for line in text.splitlines() if line.startswith("| full")] == [12]
+    cpu_text = markdown(
+        {
+            "machine": {},
+            "config": {"model": "m", "dtype": "float32", "new_tokens": 8, "repeats": 1, "threads": None},
+            "rows": aggregate([_run("full", 1024, 64, 0, 0.01)], None),
+        }
+    )
+    assert "peak GPU MiB" not in cpu_text

@@ -629,6 +629,13 @@ def bench(
     device: Annotated[
         str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
     ] = "cpu",
+    random_weights: Annotated[
+        bool,
+        typer.Option(
+            help="Build the model from its config.json with random weights: speed and memory of a size "
+            "not on disk (what it generates means nothing)."
+        ),
+    ] = False,
 ) -> None:
     """TTFT, TPOT, compression time, peak memory and KV bytes per method and context length."""
     if ctx.invoked_subcommand is not None:
@@ -637,7 +644,7 @@ def bench(
 
     config = BenchConfig(
         model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads, batch=batch,
-        device=device,
+        device=device, random_weights=random_weights,
     )  # fmt: skip
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
@@ -647,6 +654,9 @@ def bench(
     config.dtype = check.dtype(dtype)
     check.model_source(model)
     check.output_dir(out, "--out")
+    from kvbudget.models import resolve_device
+
+    resolve_device(device)  # an unknown device or a missing GPU: one line, before any run
     path = run_bench(config, out, progress=console.print)
     console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'bench.md'}[/bold]")
 

@@ -52,6 +52,7 @@ __all__ = [
     "kvbudget_home",
     "load_model",
     "model_dir",
+    "resolve_device",
     "resolve_dtype",
     "resolve_source",
 ]
@@ -382,7 +383,7 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     """``cpu``, ``cuda[:i]`` or any torch device; ``auto`` is ``cuda`` when available, else ``cpu``."""
     import torch
 
@@ -499,6 +500,7 @@ def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     dtype: torch.dtype | str = "float32",
     device: str | torch.device = "cpu",
+    random_weights: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, from local files only.
 
@@ -507,6 +509,9 @@ def load_model(
     ``dtype`` is a ``torch.dtype`` or one of ``"float32"``, ``"bfloat16"``, ``"float16"``.
     ``device``: where the weights go (``cpu``, ``cuda``, ``cuda:1``, or ``auto``: the GPU when there
     is one); every tensor kvbudget allocates for the model then follows ``model.device``.
+    ``random_weights``: build the model from the source's ``config.json`` alone, with random weights
+    made on ``device`` (no weight file is read or needed). For speed and memory benchmarks of a
+    model size not on disk (an 8B config on a GPU, say); what such a model generates means nothing.
 
     Raises :class:`ArtifactError` for a registry model that is not fetched, a missing GGUF file or
     tokenizer, :class:`UnsupportedModelError` for an architecture outside
@@ -514,7 +519,7 @@ def load_model(
     else unusable.
     """
     torch_dtype = resolve_dtype(dtype)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     source = resolve_source(name_or_path)
     _check_model_type(_local_model_type(source), source=str(name_or_path))
 
@@ -524,7 +529,14 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot load a tokenizer from {source}: {exc}") from exc
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
+    if random_weights:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        with dev:  # the weights are made where they will live
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
     model.to(dev)
     model.eval()
     return model, tokenizer

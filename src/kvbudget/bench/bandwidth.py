@@ -35,20 +35,29 @@ class Bandwidth:
         return asdict(self)
 
 
-def measure_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> Bandwidth:
+def measure_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> Bandwidth:
     """Copy (and sum) a ``size_bytes`` float32 tensor ``repeats`` times; keep the fastest run.
 
-    The tensor must be much larger than the CPU's last-level cache (1 GiB by default) or the
-    figure measures the cache, not memory.
+    The tensor must be much larger than the last-level cache (1 GiB by default) or the figure
+    measures the cache, not memory. ``device``: where the tensor lives (a GPU's memory for a
+    benchmark on that GPU; each timing then ends with a synchronize).
     """
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     n = max(1, size_bytes // 4)
-    src = torch.ones(n, dtype=torch.float32)
+    src = torch.ones(n, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch every page once before timing
+    sync()
     best_copy = best_read = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         best_copy = min(best_copy, time.perf_counter() - start)
         start = time.perf_counter()
         float(src.sum())

@@ -45,6 +45,7 @@ class BenchConfig:
     seed: int = 0
     batch: int = 1  # rows decoded together (see MeasureSpec.batch)
     device: str = "cpu"  # cpu, cuda or auto (see MeasureSpec.device)
+    random_weights: bool = False  # see MeasureSpec.random_weights
 
     def validate(self) -> None:
         from kvbudget.eval.runner import MethodSpec
@@ -85,6 +86,7 @@ class BenchConfig:
                                 repeat,
                                 self.batch,
                                 self.device,
+                                self.random_weights,
                             )  # fmt: skip
                         )
         return out
@@ -94,7 +96,10 @@ def run_key(spec: MeasureSpec | dict[str, Any]) -> str:
     d = asdict(spec) if isinstance(spec, MeasureSpec) else spec
     keys = ("model", "method", "length", "budget", "new_tokens", "dtype", "task", "seed", "repeat")
     device = [d["device"]] if d.get("device", "cpu") != "cpu" else []  # CPU rows keep their keys
-    return json.dumps([d[k] for k in keys] + [d.get("batch", 1)] + device)  # runs before `batch` had 1
+    random = ["random"] if d.get("random_weights") else []
+    return json.dumps(
+        [d[k] for k in keys] + [d.get("batch", 1)] + device + random
+    )  # runs before `batch` had 1
 
 
 def run_worker(spec: MeasureSpec, threads: int | None = None, timeout: float | None = None) -> dict[str, Any]:
@@ -140,6 +145,10 @@ def aggregate(runs: list[dict[str, Any]], bandwidth: float | None) -> list[dict[
             stats = _spread([float(r[key]) for r in group])
             row[key] = stats["median"] if key in TIMED else int(stats["median"])
             row[key + "_spread"] = [stats["min"], stats["max"]]
+        if all("gpu_peak_bytes" in r for r in group):  # runs on a GPU
+            stats = _spread([float(r["gpu_peak_bytes"]) for r in group])
+            row["gpu_peak_bytes"] = int(stats["median"])
+            row["gpu_peak_bytes_spread"] = [stats["min"], stats["max"]]
         row["compress_overhead"] = row["compress_s"] / row["prefill_s"] if row["prefill_s"] else None
         row["weight_bytes"] = group[0]["weight_bytes"]
         if bandwidth:
@@ -200,7 +209,9 @@ def run_bench(
             import torch
 
             torch.set_num_threads(config.threads)
-        bandwidth = measure_bandwidth().as_dict()
+        from kvbudget.models import resolve_device
+
+        bandwidth = measure_bandwidth(device=str(resolve_device(config.device))).as_dict()
         bw_path.write_text(json.dumps(bandwidth))
     specs = config.specs()
     with runs_path.open("a") as fh:

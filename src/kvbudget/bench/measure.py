@@ -45,6 +45,10 @@ class MeasureSpec:
             decode step reads the weights once for all rows and each row's cache, so the larger
             the batch, the more of a step is cache reads. TPOT is per step (every row's token).
         device: where the model runs (``cpu``, ``cuda``, ``auto``; see :func:`kvbudget.load_model`).
+            On a GPU the prefill's clock stops after a synchronize, and the row adds
+            ``gpu_peak_bytes``: the allocator's peak over the measured prefill and decode.
+        random_weights: build the model from its ``config.json`` with random weights
+            (:func:`kvbudget.load_model`): the speed and memory of a size not on disk.
     """
 
     model: str = "smollm2-135m"
@@ -58,6 +62,7 @@ class MeasureSpec:
     repeat: int = 0
     batch: int = 1
     device: str = "cpu"
+    random_weights: bool = False
 
 
 def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
@@ -86,7 +91,10 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     from kvbudget.models import load_model
     from kvbudget.session import CompressionSession
 
-    model, tokenizer = load_model(spec.model, dtype=spec.dtype, device=spec.device)
+    model, tokenizer = load_model(
+        spec.model, dtype=spec.dtype, device=spec.device, random_weights=spec.random_weights
+    )
+    on_gpu = model.device.type == "cuda"
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     prompt = fit_prompt(tokenizer, spec.task, min(spec.length, max_context - spec.new_tokens), spec.seed)
     method = MethodSpec.parse(spec.method).build()
@@ -105,15 +113,21 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
 
     rss_before = current_rss_bytes()
     reset_ok = reset_peak()
+    if on_gpu:
+        torch.cuda.synchronize(model.device)
+        torch.cuda.reset_peak_memory_stats(model.device)
     session = CompressionSession(method, layers, budget=budget)
     start = time.perf_counter()
     cache, logits, mask, last = prefill(model, [prompt] * spec.batch, session, pad_id)
+    if on_gpu:
+        torch.cuda.synchronize(model.device)
     prefill_wall = time.perf_counter() - start
     after_prefill = cache.stats()
     decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
     times = RunTimes.of(prefill_wall, session, decoded)
     after_decode = cache.stats()
     peak = peak_rss_bytes()
+    gpu = {"gpu_peak_bytes": torch.cuda.max_memory_allocated(model.device)} if on_gpu else {}
     return {
         **asdict(spec),
         "prompt_tokens": len(prompt.ids),
@@ -133,6 +147,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
         "decode_kv_allocated_bytes": after_decode.physical_bytes,
         "weight_bytes": weight_bytes(model),
         "threads": torch.get_num_threads(),
+        **gpu,
     }
 
 

@@ -86,19 +86,22 @@ def markdown(result: dict[str, Any]) -> str:
             f"Memory bandwidth ({bw['threads']} threads, {bw['size_bytes'] / MIB:.0f} MiB tensor): copy "
             f"{bw['copy'] / 1e9:.1f} GB/s (read + write), read-only sum {bw['read'] / 1e9:.1f} GB/s."
         )
+    gpu = any("gpu_peak_bytes" in r for r in rows)  # a GPU run: the allocator's peak is the memory
     lines += [
         "",
         "| method | length | prompt | TTFT s | compress s (% prefill) | TPOT ms (min–max) | bound ms | "
-        "peak RSS MiB | KV peak MiB | KV logical / physical MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        + ("peak GPU MiB | " if gpu else "")
+        + "peak RSS MiB | KV peak MiB | KV logical / physical MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if gpu else ""),
     ]
     for r in rows:
         lo, hi = r["tpot_s_spread"]
         bound = f"{1000 * r['tpot_bound_s']:.1f}" if "tpot_bound_s" in r else "-"
+        gpu_peak = (f"{r['gpu_peak_bytes'] / MIB:.0f} | " if "gpu_peak_bytes" in r else "- | ") if gpu else ""
         lines.append(
             f"| {_label(r)} | {r['length']} | {r['prompt_tokens']} | {r['ttft_s']:.2f} | "
             f"{r['compress_s']:.3f} ({100 * (r['compress_overhead'] or 0):.1f}%) | "
-            f"{1000 * r['tpot_s']:.1f} ({1000 * lo:.1f}–{1000 * hi:.1f}) | {bound} | "
+            f"{1000 * r['tpot_s']:.1f} ({1000 * lo:.1f}–{1000 * hi:.1f}) | {bound} | {gpu_peak}"
             f"{r['peak_rss_bytes'] / MIB:.0f} | {r['kv_peak_bytes'] / MIB:.1f} | "
             f"{r['logical_bytes'] / MIB:.1f} / {r['physical_bytes'] / MIB:.1f} |"
         )

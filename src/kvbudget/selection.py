@@ -45,7 +45,7 @@ def select_keep(
     which decode-stage methods would pay every step). NaN scores fall back to the stable sort.
     """
     s = scores.float().masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
-    counts = torch.minimum(budgets.long(), valid.sum(-1))
+    counts = torch.minimum(budgets.long().to(valid.device), valid.sum(-1))  # budgets may sit on the CPU
     keep: list[list[torch.Tensor]] = []
     for r in range(s.shape[0]):
         k_max = int(counts[r].max())

@@ -60,6 +60,18 @@ def test_generation_on_the_device_equals_the_cpu(name, models, target) -> None:
     assert result.cache_stats_after.entries.cpu().equal(reference.cache_stats_after.entries.cpu())
 
 
+@pytest.mark.parametrize("name", ["full", "snapkv"])
+def test_sampling_on_the_device_equals_the_cpu(name, models, target) -> None:
+    """Sampling draws from the CPU generator the seed makes, so the device samples the same tokens."""
+    cpu_model, device_model = models
+    tokenizer = tiny_tokenizer(chat_template=True)
+    options = dict(method=small(name), budget=40, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    with torch.device("cpu"):
+        reference = kvbudget.generate(cpu_model, tokenizer, CONTEXT, QUESTION, **options)
+        result = kvbudget.generate(device_model, tokenizer, CONTEXT, QUESTION, **options)
+    assert result.token_ids == reference.token_ids
+
+
 @pytest.mark.parametrize("name", COMPRESSING_METHODS)
 def test_compression_on_the_device_keeps_the_cpu_entries(name, models, target) -> None:
     cpu_model, device_model = models

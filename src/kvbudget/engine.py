@@ -184,7 +184,9 @@ def _next_token(
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # drawn where the generator lives (a CPU one by default): the same seed gives the same tokens on
+    # every device, and a GPU run needs no generator of its own
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
 def selection_layer(method: Method, row: int) -> int | None:

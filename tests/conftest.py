@@ -58,6 +58,12 @@ TINY = dict(
 )
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` on torch's default device: a test's random tensors are made
+    on ``--device`` (a cuda tensor needs a cuda generator), and on the CPU nothing changes."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def tiny_model(kind: str = "llama", seed: int = 0) -> PreTrainedModel:
     """A tiny random decoder with GQA (4 query / 2 KV heads, 4 layers), in eval mode.
 

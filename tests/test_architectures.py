@@ -33,6 +33,7 @@ from transformers import (
 )
 
 import kvbudget
+from conftest import seeded
 from kvbudget.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from kvbudget.cache import WINDOW_SLACK, BudgetCache
 from kvbudget.errors import UnsupportedModelError
@@ -101,7 +102,7 @@ def _logits(model, ids, mask=None, cache=None):
 
 
 def _ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 90, (batch, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, 90, (batch, n), generator=seeded(seed))
 
 
 # ----------------------------------------------------------------------------- the attention hook

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvbudget
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.cache import BudgetCache
 
 
@@ -19,7 +19,7 @@ def _logits(model, ids, mask=None, cache=None):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_hook_equals_sdpa_without_compression(kind):
     model = tiny_model(kind)
-    ids = torch.randint(3, 90, (2, 64), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 90, (2, 64), generator=seeded(0))
     reference = _logits(model, ids)
     with kvbudget.attached(model):
         no_cache = _logits(model, ids)
@@ -32,7 +32,7 @@ def test_hook_equals_sdpa_without_compression(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_hook_equals_sdpa_with_left_padding_and_chunked_prefill(kind):
     model = tiny_model(kind)
-    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (2, 48), generator=seeded(1))
     mask = torch.ones_like(ids)
     mask[1, :11] = 0  # row 1 is left-padded
     reference = _logits(model, ids, mask)

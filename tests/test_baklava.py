@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import kvbudget
-from conftest import tiny_model, tiny_tokenizer
+from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.allocation import baklava_reallocate, kmeans_1d, squeeze_layer_weights
 from kvbudget.cli import app
 from kvbudget.errors import BudgetError, MethodOptionError, ProfileError
@@ -281,7 +281,7 @@ def _tiny_hand_profile(model, tmp_path):
 def test_baklava_budgets_follow_the_profile(tmp_path):
     model = tiny_model()
     path = _tiny_hand_profile(model, tmp_path)
-    ids = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (1, 120), generator=seeded(1))
     method = make_method("baklava", profile=str(path), t=0.3, r=0.5, p=0.5)
     cache = kvbudget.compress(model, ids, method=method, budget=24)
     # split, p = 0.5: layers 1, 3 keep 0.5·24 = 12, layers 0, 2 get 24·(4 − 2·0.5)/2 = 36 per head
@@ -300,7 +300,7 @@ def test_baklava_budgets_follow_the_profile(tmp_path):
 def test_a_cache_capped_at_the_prompt_keeps_the_prefills_plan_while_decoding(tmp_path):
     model = tiny_model()
     path = _tiny_hand_profile(model, tmp_path)
-    ids = torch.randint(3, 90, (1, 60), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 90, (1, 60), generator=seeded(4))
     cache = kvbudget.compress(
         model, ids, method=make_method("baklava", profile=str(path), t=0.3, r=0.5, p=0.5), budget=36
     )
@@ -320,7 +320,7 @@ def test_a_cache_capped_at_the_prompt_keeps_the_prefills_plan_while_decoding(tmp
 def test_squeezeattention_keeps_heads_of_a_layer_equal_and_uses_p(tmp_path):
     model = tiny_model()
     path = _tiny_hand_profile(model, tmp_path)
-    ids = torch.randint(3, 90, (1, 100), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 90, (1, 100), generator=seeded(2))
     cache = kvbudget.compress(
         model, ids, method=make_method("squeezeattention", profile=str(path), p=0.25), budget=20
     )
@@ -478,7 +478,7 @@ def test_tuned_parameters_are_used_when_no_option_is_given(tmp_path):
 def test_tune_finds_the_grid_minimum_and_resumes(tmp_path, monkeypatch):
     model = tiny_model()
     path = save_profile(_profile(model), tmp_path / "p.json")
-    texts = [torch.randint(3, 90, (1, 96), generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    texts = [torch.randint(3, 90, (1, 96), generator=seeded(s)) for s in (5, 6)]
     grid = {"t": [0.0, 1.0], "r": [0.3, 0.9]}
     entry = tune(
         model, None, path, "baklava", 0.25, length=96, grid=grid, texts=texts, chunk=16, progress=False
@@ -540,7 +540,7 @@ def test_baklava_snapkv_keeps_snapkv_choice_at_each_caches_own_budget():
     from kvbudget.cache import BudgetLayer
     from kvbudget.observation import Observation
 
-    g = torch.Generator().manual_seed(3)
+    g = seeded(3)
     k, v, q = (
         torch.randn(1, 2, 40, 8, generator=g),
         torch.randn(1, 2, 40, 8, generator=g),
@@ -573,7 +573,7 @@ def test_baklava_decode_steps_keep_sinks_and_the_most_recent_entries(tmp_path, p
     budget — unpadded (the all-valid path) and as the shorter row of a left-padded batch."""
     model = tiny_model()
     path = save_profile(_profile(model), tmp_path / "p.json")
-    g = torch.Generator().manual_seed(2)
+    g = seeded(2)
     ids = torch.randint(3, 90, (2, 100), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :pad] = 0

@@ -8,13 +8,14 @@ import weakref
 
 import torch
 
+from conftest import seeded
 from kvbudget.cache import BudgetLayer
 
 B, H, D = 2, 3, 4
 
 
 def _kv(q: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     return torch.randn(B, H, q, D, generator=g), torch.randn(B, H, q, D, generator=g)
 
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbudget
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.allocation import cake_preference
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import MethodOptionError, UnknownMethodError
@@ -67,7 +67,7 @@ def test_cascading_preference_budgets_sum_to_the_total_and_never_grow(layers, le
     budget = data.draw(st.integers(window + 1, length - 1))
     tau1 = data.draw(st.sampled_from([0.2, 0.5, 1.0, 2.0]))
     tau2 = data.draw(st.sampled_from([0.2, 0.5, 1.0, 2.0]))
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    g = seeded(data.draw(st.integers(0, 2**31 - 1)))
     capacity = length - window
     total = (budget - window) * layers
     plan = RowPlan(total, window)
@@ -85,7 +85,7 @@ def test_cascading_preference_budgets_sum_to_the_total_and_never_grow(layers, le
 
 
 def test_cake_preference_formula():
-    probs = torch.softmax(torch.randn(4, 5, 9, generator=torch.Generator().manual_seed(0)), dim=-1)
+    probs = torch.softmax(torch.randn(4, 5, 9, generator=seeded(0)), dim=-1)
     a = probs.double().numpy()
     entropy = -(a * np.log(a + 1e-10)).sum()
     variance = a.var(axis=1, ddof=1).sum()
@@ -198,7 +198,7 @@ def test_cake_decode_trims_each_layer_to_its_budget_by_the_current_query(seed):
     layers, session, _ = run_library("cake", OPTIONS, inputs)
     ref_steps, ref_kept, _ = ref_cake(inputs)
     session.phase = "decode"
-    g = torch.Generator().manual_seed(100 + seed)
+    g = seeded(100 + seed)
     keys = [x[1][0].double().numpy() for x in inputs]
     values = [x[2][0].double().numpy() for x in inputs]
     entries = [[sorted(ref_kept[i][h]) for h in range(H)] for i in range(LAYERS)]
@@ -312,7 +312,7 @@ def test_authors_tau_without_prepare_is_a_clear_error():
 
 def make_long_inputs(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer ``q [1, HQ, n, D]``, ``k, v [1, H, n, D]``, each layer's queries of another sharpness."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     out = []
     for layer in range(LAYERS):
         k = torch.randn(1, H, n, D, generator=g)
@@ -378,7 +378,7 @@ def test_cake_authors_tau_on_a_named_tiny_model():
     """The engine binds the model's name: a tiny random Qwen2 named ``Qwen/Qwen2.5-7B-Instruct``
     gets the budgets of ``tau1 = 0.4, tau2 = 0.6`` at B = 128; unnamed, those of (1, 1)."""
     model = tiny_model("qwen2")
-    ids = torch.randint(3, 90, (1, 300), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 90, (1, 300), generator=seeded(4))
 
     def budgets(method) -> torch.Tensor:
         return kvbudget.compress(model, ids, method=method, budget=128).session.kept[0]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY
+from conftest import TINY, seeded
 from kvbudget.cache import _take
 from kvbudget.engine import Prompt, prefill
 from kvbudget.methods.layerwise import NEVER, candidate_ranks
@@ -39,7 +39,7 @@ def kept_by_generic_path(method, scores, candidates, protected, total):
 @pytest.mark.parametrize(("name", "order"), [("lava", "flat"), ("cake", "head")])
 @pytest.mark.parametrize("seed", range(4))
 def test_rank_threshold_equals_split_and_select_keep_with_many_ties(name, order, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     heads, n = 3, 40
     method = make_method(name, window=4)
     assert method.selection_order() == order
@@ -112,7 +112,7 @@ def test_fast_path_keeps_what_the_generic_path_keeps_at_every_step(name, options
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "num_hidden_layers": LAYERS}, initializer_range=0.2)
     model = LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(1)
+    g = seeded(1)
     lengths = [90, 61, 75]  # a batch of different lengths: left padding, per-head rows padded apart
     prompts = [Prompt(torch.randint(3, 90, (n,), generator=g).tolist(), []) for n in lengths]
     fast = run(make_method(name, **options), model, prompts, budget, name, generic=False)
@@ -141,7 +141,7 @@ def test_a_floor_or_an_even_split_uses_the_generic_path():
 @pytest.mark.parametrize("seed", [3, 4, 6])
 def test_max_l1_value_norm_equals_the_direct_computation_bit_for_bit(seed):
     """LAVa's ``V̄_h``: the near-max shortcut gives exactly the masked ``norm(p=1)`` maximum."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     b, h, n, d = 2, 3, 64, 32
     values = torch.randn(b, h, n, d, generator=g)
     base = torch.randn(d, generator=g)
@@ -167,7 +167,7 @@ def test_max_l1_value_norm_equals_the_direct_computation_bit_for_bit(seed):
 
 def test_keep_copy_equals_gather_contiguous_or_not():
     """``BudgetLayer.keep``'s copy (``index_select``) gives exactly what an expanded ``gather`` gives."""
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     storage = torch.randn(2, 3, 20, 4, generator=g)
     for t in (storage, storage[:, :, :10], storage[:1]):  # contiguous, a view with room, one row
         idx = torch.randint(0, 10, (*t.shape[:2], 6), generator=g)

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 import kvbudget
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.cli import app
 from kvbudget.errors import KVBudgetError, MethodOptionError, UnknownMethodError
 from kvbudget.methods.combinations import COMBINATIONS
@@ -59,7 +59,7 @@ def model():
 
 
 def prompt(seed: int = 1, length: int = LENGTH) -> torch.Tensor:
-    return torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, 90, (1, length), generator=seeded(seed))
 
 
 def kept_positions(cache) -> list[list[list[int]]]:

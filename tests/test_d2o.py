@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbudget
+from conftest import seeded
 from kvbudget.allocation import attention_variance, inverse_variance_layer_budgets
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import MethodOptionError
@@ -77,7 +78,7 @@ def merge_reference(kc, vc, ke, ve, tau, beta):
 
 
 def fixture(seed: int):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     k = torch.randn(1, H, N, D, generator=g)
     v = torch.randn(1, H, N, D, generator=g)
     q = 2.0 * torch.randn(1, HQ, N, D, generator=g)
@@ -132,7 +133,7 @@ def test_merge_arithmetic_on_a_hand_built_cache():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("threshold", [True, False])
 def test_merge_matches_the_reference_on_random_tensors(seed, threshold):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     kc, vc = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
     ke, ve = torch.randn(2, 9, 4, generator=g), torch.randn(2, 9, 4, generator=g)
     first = d2o_merge(kc, vc, ke, ve, None, threshold=threshold)
@@ -266,7 +267,7 @@ def test_d2o_prefill_and_decode_match_the_reference(name):
                 np.testing.assert_array_equal(k_h[0].double().numpy(), nk[h, kept])
     # one decode step on layer 0: scores accumulate the new query's attention over the stored
     # (merged) keys; the lowest-scored non-protected entry is evicted and merged under τ_1
-    g = torch.Generator().manual_seed(5)
+    g = seeded(5)
     k1, v1, q1 = (
         torch.randn(1, H, 1, D, generator=g),
         torch.randn(1, H, 1, D, generator=g),
@@ -330,7 +331,7 @@ def test_cam_merges_evicted_values_into_the_next_entries():
     assert merged_any
     # decode steps: the oldest non-sink leaves; p from the attention accumulated so far (the new
     # query's over the stored entries added), the max over what stays; its value / 6 to the next 6
-    g = torch.Generator().manual_seed(3)
+    g = seeded(3)
     held = [layer.head(h)[1][0].double().numpy() for h in range(H)]
     scores = [layer.state["cam_attention"][0, h].double().numpy() for h in range(H)]
     positions = list(kept)
@@ -425,7 +426,7 @@ def test_d2o_rejects_bad_options():
 
 # ------------------------------------------------------------------------------ one-eviction fast path
 def _layer_over_by_one(limit: int, scores: torch.Tensor, seed: int) -> BudgetLayer:
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     layer = BudgetLayer()
     layer.update(torch.randn(1, H, limit + 1, D, generator=g), torch.randn(1, H, limit + 1, D, generator=g))
     layer.state["d2o_attention"] = scores
@@ -438,7 +439,7 @@ def test_one_eviction_fast_path_equals_the_general_eviction(name: str, tied: boo
     """The decode-step fast path evicts and merges exactly what the general top-k path does — also
     when unprotected scores tie (the latest tied slot leaves) — over several steps of τ updates."""
     limit = 14
-    g = torch.Generator().manual_seed(1)
+    g = seeded(1)
     scores = torch.rand(1, H, limit + 1, generator=g)
     if tied:
         scores = (scores * 3).floor()  # many equal scores among the candidates
@@ -503,7 +504,7 @@ def test_one_entry_merge_is_bit_identical_to_the_scatter_merge(dtype: torch.dtyp
     general scatter's arithmetic: same bits, merged heads and dropped heads alike."""
     from kvbudget.merging import _merge_one, _merge_scatter
 
-    g = torch.Generator().manual_seed(4)
+    g = seeded(4)
     for _ in range(5):
         kc, vc = torch.randn(4, 9, 6, generator=g).to(dtype), torch.randn(4, 9, 5, generator=g).to(dtype)
         ke, ve = torch.randn(4, 1, 6, generator=g).to(dtype), torch.randn(4, 1, 5, generator=g).to(dtype)
@@ -572,7 +573,7 @@ def test_authors_decision_is_one_threshold_per_layer_on_the_head_mean_similarity
     0.55, so entry 0 is dropped and entry 1 merged *in both heads* — where the paper's per-head τ
     (0.6, 0.45) merges entry 0 of head 0 and entry 1 of head 1 only."""
     kept_k = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]] * 2)
-    kept_v = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(0))
+    kept_v = torch.randn(2, 2, 3, generator=seeded(0))
 
     def evicted(*bests):  # best similarity b with e_x: (b, 0, √(1 − b²))
         return [[b, 0.0, math.sqrt(1 - b * b)] for b in bests]
@@ -599,7 +600,7 @@ def test_authors_decision_is_one_threshold_per_layer_on_the_head_mean_similarity
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_authors_weighting_and_decision_match_a_port_of_the_authors_code(seed):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     kc, vc = torch.randn(3, 7, 5, generator=g), torch.randn(3, 7, 5, generator=g)
     threshold = None
     for e_count in (12, 4, 1, 1):  # a prefill, a chunk, two decode steps
@@ -615,7 +616,7 @@ def test_authors_weighting_and_decision_match_a_port_of_the_authors_code(seed):
 
 
 def test_fixed_threshold_merges_exactly_the_entries_at_least_that_similar():
-    g = torch.Generator().manual_seed(3)
+    g = seeded(3)
     kc, vc = torch.randn(2, 5, 4, generator=g), torch.randn(2, 5, 4, generator=g)
     ke, ve = torch.randn(2, 20, 4, generator=g), torch.randn(2, 20, 4, generator=g)
     out = d2o_merge(kc, vc, ke, ve, None, threshold=False, fixed_threshold=0.5)
@@ -633,7 +634,7 @@ def test_fixed_threshold_merges_exactly_the_entries_at_least_that_similar():
 def _decode_steps(method, layers, budget, steps, seed=5):
     """``steps`` decode steps on layer 0 with random new entries; returns every key seen by position
     and head: ``{(h, position): key}``."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     added = {}
     for step in range(steps):
         k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)

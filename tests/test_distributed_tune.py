@@ -12,7 +12,7 @@ import ray
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.cli import app
 from kvbudget.eval.distributed import RayOptions
 from kvbudget.models import load_model
@@ -43,7 +43,7 @@ def cluster():
 
 
 def _texts() -> list[torch.Tensor]:
-    return [torch.randint(3, 90, (1, LENGTH), generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    return [torch.randint(3, 90, (1, LENGTH), generator=seeded(s)) for s in (5, 6)]
 
 
 def _local(model, path, grid) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.bench.peer import PEERS, peer_python_path, runner_script
 from kvbudget.engine import compress
 
@@ -35,7 +35,7 @@ BUDGETS = (80, 100, 160)
 
 
 def _ids(seed: int) -> list[int]:
-    return torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(3, 96, (300,), generator=seeded(seed)).tolist()
 
 
 @pytest.fixture(scope="module")

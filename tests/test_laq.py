@@ -18,7 +18,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvbudget
-from conftest import TINY, tiny_model
+from conftest import TINY, seeded, tiny_model
 from kvbudget.engine import build_prompt, prefill, prefill_inputs
 from kvbudget.errors import BudgetError, MethodOptionError
 from kvbudget.eval.runner import MethodSpec
@@ -44,7 +44,7 @@ from test_reference_selection import (
 
 CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
 QUESTION = "What does the fox do?"
-PROMPT_IDS = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(11))
+PROMPT_IDS = torch.randint(3, 90, (1, 120), generator=seeded(11))
 
 
 def _options(**extra):
@@ -282,7 +282,7 @@ def _keep(scores, w2: int) -> list[Choice]:
 def test_reselection_matches_the_eq4_eq5_reference(name, w2, seed):
     fx = Fixture.make(seed)
     m = 3
-    pseudo = 2.0 * torch.randn(1, HQ, m, D, generator=torch.Generator().manual_seed(100 + seed))
+    pseudo = 2.0 * torch.randn(1, HQ, m, D, generator=seeded(100 + seed))
     layer = fx.layer()
     valid = torch.ones(1, m, dtype=torch.bool)
     obs = LookaheadObservation(
@@ -310,7 +310,7 @@ def test_pseudo_rows_see_only_their_window_on_a_sliding_window_layer(name, w2):
     sees no prompt key at all and scores nothing."""
     fx = Fixture.make(11)
     m, window = 3, 6
-    pseudo = 2.0 * torch.randn(1, HQ, m, D, generator=torch.Generator().manual_seed(111))
+    pseudo = 2.0 * torch.randn(1, HQ, m, D, generator=seeded(111))
     method = make_method(name, window=w2, kernel=3)
 
     def scores(window: int) -> np.ndarray:
@@ -344,7 +344,7 @@ def test_pseudo_rows_see_only_their_window_on_a_sliding_window_layer(name, w2):
 
 def test_pseudo_rows_after_eos_count_for_nothing():
     fx = Fixture.make(3)
-    pseudo = 2.0 * torch.randn(1, HQ, 3, D, generator=torch.Generator().manual_seed(7))
+    pseudo = 2.0 * torch.randn(1, HQ, 3, D, generator=seeded(7))
     cut = LookaheadObservation(
         0, LAYERS, fx.q[:, :, N:], fx.layer(), SCALE, pseudo_query=pseudo[:, :, :2],
         pseudo_valid=torch.ones(1, 2, dtype=bool),
@@ -451,7 +451,7 @@ def query_head_reference(fx: Fixture, pseudo: np.ndarray, w2: int, kernel: int) 
 @pytest.mark.parametrize(("name", "w2", "seed"), [("laq", 0, 11), ("laq", 0, 37), ("laq++", 4, 13)])
 def test_query_head_layer_keeps_each_query_heads_own_top_b(name, w2, seed):
     fx = Fixture.make(seed)
-    pseudo = 2.0 * torch.randn(1, HQ, 3, D, generator=torch.Generator().manual_seed(100 + seed))
+    pseudo = 2.0 * torch.randn(1, HQ, 3, D, generator=seeded(100 + seed))
     layer = QueryHeadLayer.repeated(fx.layer(), G)
     assert layer.num_heads == HQ
     obs = LookaheadObservation(

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbudget
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.allocation import (
     cascade_layer_budgets,
     even_head_budgets,
@@ -79,7 +79,7 @@ def test_cascading_entropy_budgets_sum_to_the_total_and_never_grow(layers, heads
     window = data.draw(st.integers(0, min(32, length - 2)))
     budget = data.draw(st.integers(window + 1, length - 1))
     seed = data.draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     capacity = heads * (length - window)
     total = (budget - window) * layers * heads
     plan = RowPlan(total, window)
@@ -106,7 +106,7 @@ def test_flattened_head_budgets_are_the_winners_and_sum_exactly(heads, m, data):
     seed = data.draw(st.integers(0, 2**31 - 1))
     total = data.draw(st.integers(0, heads * m + 5))
     alpha = data.draw(st.sampled_from([0.0, 0.2, 0.5, 1.0]))
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     scores = torch.rand(heads, m, generator=g)
     scores[torch.rand(heads, m, generator=g) < 0.2] = float("-inf")  # not candidates
     have = torch.isfinite(scores).sum(-1)
@@ -154,7 +154,7 @@ def make_inputs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
     key (so entropies and budgets differ), and one KV head's values are scaled (so ``V̄_h``
     matters when comparing heads).
     """
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     out = []
     for layer in range(LAYERS):
         k = torch.randn(1, H, N, D, generator=g)
@@ -441,7 +441,7 @@ def test_lava_floor_split_equals_the_authors_formula(seed):
     authors' ``cap_h``, at the first eviction and at a re-eviction, where ``n_h`` is recounted in
     the layer's *first* flattened order (their stored ``sorted_indices``) — not in the entries
     still held, which would give other counts."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     heads, m = (2, 3, 4, 8, 2, 4)[seed], (20, 33, 50, 17, 64, 40)[seed]
     alpha = (0.2, 0.2, 0.3, 0.5, 0.2, 1.0)[seed]
     configured = (5, 10, 10, 12, 15, 16)[seed]
@@ -576,7 +576,7 @@ def test_lava_preset_cake_takes_the_authors_taus():
 @pytest.mark.parametrize("budget", [12, 24, 50])
 def test_lava_on_a_model_budgets_only_shrink_and_sum_exactly(budget, monkeypatch):
     model = tiny_model("llama")
-    ids = torch.randint(3, 90, (1, 150), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 90, (1, 150), generator=seeded(5))
     method = make_method("lava", window=4, kernel=3)
     history: list[list[int]] = []
     original = type(method).rebalance

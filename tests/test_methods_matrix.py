@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface
 
 import kvbudget
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.cache import BudgetCache
 from method_matrix import (
     ALL_METHODS,
@@ -40,7 +40,7 @@ def test_budget_covering_the_prompt_changes_nothing(name, llama, chat_tokenizer)
 
 @pytest.mark.parametrize("name", COMPRESSING_METHODS)
 def test_compression_keeps_the_budget(name, llama):
-    ids = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (1, 120), generator=seeded(1))
     budget = 24
     cache = kvbudget.compress(llama, ids, method=small(name), budget=budget)
     stats = cache.stats()
@@ -110,7 +110,7 @@ def test_decode_step_equals_masked_full_sequence(name, kind):
     which a masked full-sequence forward does not reproduce (tests/test_prune.py checks them
     against an independent layer-by-layer recomputation instead)."""
     model = tiny_model(kind)
-    ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 90, (1, 80), generator=seeded(2))
     cache = kvbudget.compress(model, ids[:, :-1], method=small(name), budget=20)
     kept = {
         i: [layer.head(h)[2][0][layer.head(h)[2][0] >= 0] for h in range(layer.num_heads)]
@@ -143,7 +143,7 @@ def test_batch_of_different_lengths_equals_each_alone(name, llama, chat_tokenize
 
 @pytest.mark.parametrize("name", DECODE_METHODS)
 def test_decode_methods_hold_the_budget_every_step(name, llama):
-    ids = torch.randint(3, 90, (1, 60), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 90, (1, 60), generator=seeded(3))
     budget = 24
     cache = kvbudget.compress(llama, ids, method=small(name), budget=budget)
     held = cache.stats().entries.clone()
@@ -163,7 +163,7 @@ def test_decode_methods_hold_the_budget_every_step(name, llama):
 
 @pytest.mark.parametrize("name", ["snapkv", "ada-snapkv", "h2o"])
 def test_model_generate_accepts_a_budget_cache(name, llama):
-    ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 90, (1, 70), generator=seeded(4))
     cache = kvbudget.compress(llama, ids[:, :-1], method=small(name), budget=24)
     assert isinstance(cache, BudgetCache)
     out = llama.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvbudget
-from conftest import tiny_model, tiny_tokenizer
+from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.methods.registry import make_method
 
 REPEAT = "\n\nRepeat the previous context exactly."
@@ -148,7 +148,7 @@ def test_kvzip_without_a_template_reconstructs_from_the_first_token(saved: dict,
     tok = tiny_tokenizer()
     tok.save_pretrained(tmp_path)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(8)).tolist()
+    ids = torch.randint(3, 96, (90,), generator=seeded(8)).tolist()
     cache = kvbudget.compress(ours, torch.tensor([ids]), method=make_method("kvzip", chunk=40), budget=30)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     scores = kvzip_reference_scores(reference, tok, ids, 0, 4, 40, "\n")
@@ -281,7 +281,7 @@ def ada_caps(scores: torch.Tensor, sinks: int, budget: int, alpha: float) -> lis
 )  # fmt: skip
 def test_expected_attention_keeps_the_closed_form_top(kind: str, options: dict, budget: int) -> None:
     method = make_method("expected-attention", **options)
-    ids = torch.randint(3, 90, (100,), generator=torch.Generator().manual_seed(11)).tolist()
+    ids = torch.randint(3, 90, (100,), generator=seeded(11)).tolist()
     cache = kvbudget.compress(tiny_model(kind, seed=2), torch.tensor([ids]), method=method, budget=budget)
     scores = expected_attention_reference(
         tiny_model(kind, seed=2),
@@ -367,7 +367,7 @@ def test_rkv_prefill_and_decode_keep_importance_minus_redundancy(budget: int, bu
     from kvbudget.cache import BudgetLayer
     from kvbudget.observation import Observation
 
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     n0, steps, w = 30, 14, 4
     base = torch.randn(RH, 3, RD, generator=g)  # few directions: many keys are near-copies (redundant)
     keys = base[:, torch.randint(0, 3, (n0 + steps,), generator=g)] + 0.6 * torch.randn(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import seeded
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import MethodOptionError, ProfileError
 from kvbudget.methods.registry import make_method
@@ -32,7 +33,7 @@ class Fixture:
     """Post-RoPE tensors of one layer (batch 1) and their float64 numpy copies."""
 
     def __init__(self, seed: int = 0, n: int = N) -> None:
-        g = torch.Generator().manual_seed(seed)
+        g = seeded(seed)
         self.k = torch.randn(1, H, n, D, generator=g)
         self.v = torch.randn(1, H, n, D, generator=g)
         self.q = 2.0 * torch.randn(1, HQ, n, D, generator=g)
@@ -101,7 +102,7 @@ def test_keydiff_decode_recomputes_the_anchor_over_the_held_entries() -> None:
     layer = fx.compress(method, budget)
     held = kept(layer)
     keys = fx.nk
-    g = torch.Generator().manual_seed(9)
+    g = seeded(9)
     for step in range(3):
         k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
         keys = np.concatenate([keys, k1[0].double().numpy()], axis=1)
@@ -310,7 +311,7 @@ def filter_reference(queries: np.ndarray, kv_heads: int) -> np.ndarray:
 def test_query_directions_are_the_oriented_principal_query_direction_per_group() -> None:
     from kvbudget.profiles import query_directions
 
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     offset = torch.randn(HQ, 1, D, generator=g) * 3.0  # queries concentrate along one direction
     queries = torch.randn(HQ, 40, D, generator=g) + offset
     got = query_directions(queries, H).numpy()
@@ -400,7 +401,7 @@ def test_qfilter_keeps_the_window_and_the_largest_projections_then_decodes(qfilt
 
     model, _, path = qfilter_profile
     filters = np.array(json.loads(path.read_text())["query_filters"])
-    ids = torch.randint(3, 90, (1, 61), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 90, (1, 61), generator=seeded(4))
     n, budget, window = 60, 20, 4
     full = kvbudget.compress(model, ids, method="full", budget=100)  # keys of all 61 tokens
     method = make_method("qfilter", window=window, profile=str(path))
@@ -432,7 +433,7 @@ def test_qfilter_profile_errors_name_the_command(qfilter_profile, tmp_path) -> N
     import kvbudget
 
     model, _, path = qfilter_profile
-    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 90, (1, 40), generator=seeded(5))
     missing = make_method("qfilter", window=4, profile=str(tmp_path / "none.json"))
     with pytest.raises(ProfileError, match=r"does not exist; run `kvbudget profile"):
         kvbudget.compress(model, ids, method=missing, budget=20)
@@ -460,7 +461,7 @@ def test_qfilter_without_a_profile_file_measures_the_bundled_prompts(qfilter_pro
     from kvbudget.profiles import builtin_profile
 
     model, _, _ = qfilter_profile
-    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 90, (1, 40), generator=seeded(6))
     method = make_method("qfilter", window=4)
     kvbudget.compress(model, ids, method=method, budget=20)
     assert torch.equal(method.__dict__["_filters"], builtin_profile(model).filters())

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import seeded
 from kvbudget.cache import BudgetLayer
 from kvbudget.observation import QUERY_BLOCK, Observation
 
@@ -28,7 +29,7 @@ def make_observation(
     ``drop``: entries removed before the queries' tokens were appended (a compressed layer whose
     slots are not consecutive positions); the queries' own tokens are the last ``q`` entries.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     keys = torch.randn((batch, kv_heads, n + drop, D), generator=g) * 2
     values = torch.randn((batch, kv_heads, n + drop, D), generator=g)
     query = torch.randn((batch, kv_heads * group, q, D), generator=g) * 2

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import seeded, tiny_model
 from kvbudget.eval.tasks.perplexity import chunked_perplexity
 from kvbudget.methods.registry import make_method
 
-IDS = torch.randint(3, 90, (1, 200), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(3, 90, (1, 200), generator=seeded(0))
 
 
 def _reference_nll(model, ids, start):

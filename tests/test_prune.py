@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvbudget
-from conftest import TINY, tiny_model, tiny_tokenizer
+from conftest import TINY, seeded, tiny_model, tiny_tokenizer
 from kvbudget.cache import BudgetCache
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.eval.report import write_report
@@ -25,7 +25,7 @@ CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " *
 
 
 def _ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 90, (batch, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, 90, (batch, n), generator=seeded(seed))
 
 
 # ---------------------------------------------------------------------- the manual layer loop

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import seeded
 from kvbudget.cache import BudgetLayer
 from kvbudget.methods.registry import make_method, method_names
 from kvbudget.observation import Observation
@@ -57,7 +58,7 @@ class Fixture:
 
     @classmethod
     def make(cls, seed: int = SEED) -> Fixture:
-        g = torch.Generator().manual_seed(seed)
+        g = seeded(seed)
         k = torch.randn(1, H, N, D, generator=g)
         v = torch.randn(1, H, N, D, generator=g)
         q = 2.0 * torch.randn(1, HQ, N, D, generator=g)  # sharper attention: well separated scores
@@ -424,7 +425,7 @@ def test_streamingllm_keeps_sinks_and_recent(sinks: int) -> None:
 def test_streamingllm_decode_evicts_the_oldest_non_sink() -> None:
     fx = Fixture.make()
     layer, _, method = fx.compress("streamingllm", {})
-    g = torch.Generator().manual_seed(99)
+    g = seeded(99)
     keys, values = fx.nk, fx.nv
     for step in range(2):
         k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
@@ -610,7 +611,7 @@ def h2o_decode_and_check(
     recent = budget - int(0.5 * budget)
     score = [{p: sums[h][p] for p in entries[h]} for h in range(H)]
     keys, values = fx.nk, fx.nv
-    g = torch.Generator().manual_seed(7)
+    g = seeded(7)
     for _ in range(steps):
         k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
         q1 = 2.0 * torch.randn(1, HQ, 1, D, generator=g)
@@ -748,7 +749,7 @@ def test_tova_decode_evicts_lowest_current_attention() -> None:
     layer, _, method = fx.compress("tova", {})
     entries = sorted(top_k_exact(last_row_all_heads(fx), BUDGET))
     keys, values = fx.nk, fx.nv
-    g = torch.Generator().manual_seed(5)
+    g = seeded(5)
     for _ in range(2):
         k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
         q1 = 2.0 * torch.randn(1, HQ, 1, D, generator=g)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import seeded
 from kvbudget.selection import select_keep
 
 
@@ -33,7 +34,7 @@ def sorted_reference(scores, budgets, valid, protected) -> list[list[list[int]]]
 
 @pytest.mark.parametrize("seed", range(6))
 def test_select_keep_equals_a_stable_sort_with_ties_padding_and_protection(seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     b, h, n = 2, 4, 60
     scores = torch.randint(-3, 4, (b, h, n), generator=g).float()  # many exact ties
     valid = torch.rand(b, h, n, generator=g) > 0.15

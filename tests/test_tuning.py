@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvbudget
-from conftest import tiny_model, tiny_tokenizer
+from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.methods.baklava import BaKlaVa
 from kvbudget.methods.profiled import ProfiledMethod
 from kvbudget.methods.registry import make_method
@@ -56,7 +56,7 @@ def _profile_path(model, tmp_path):
 def test_tuning_looks_up_parameters_at_the_ratio_an_evaluation_uses(tmp_path, spied):
     model = tiny_model()
     path = _profile_path(model, tmp_path)
-    texts = [torch.randint(3, 90, (1, LENGTH), generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    texts = [torch.randint(3, 90, (1, LENGTH), generator=seeded(s)) for s in (5, 6)]
     # t = 0.5, r = 0.5 are given by the grid; p (the layer split) is looked up
     entry = tune(
         model, None, path, "baklava", RATIO, length=LENGTH, grid={"t": [0.5], "r": [0.5]}, texts=texts,

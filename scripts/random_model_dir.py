@@ -1,11 +1,13 @@
 """Write a model folder for ``kvbudget bench --random-weights``: a real model's sizes, no weights.
 
     .venv/bin/python scripts/random_model_dir.py OUT [--config qwen2.5-7b] [--max-positions 131072]
+        [--tokenizer-from qwen2.5-coder-0.5b]
 
 ``OUT`` gets ``config.json`` with the sizes of the named model's published config and the tokenizer
 of the fetched ``qwen2.5-coder-0.5b`` (the same Qwen2.5 vocabulary: every id it makes is below the
-larger model's ``vocab_size``). ``--max-positions`` raises the context the model accepts; with
-random weights no RoPE scaling is needed to time a long prompt. docs/gpu.md uses it.
+larger model's ``vocab_size``), or of another registry model or folder (``--tokenizer-from``).
+``--max-positions`` raises the context the model accepts; with random weights no RoPE scaling is
+needed to time a long prompt. docs/gpu.md uses it.
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--config", default="qwen2.5-7b", choices=sorted(CONFIGS))
     parser.add_argument("--max-positions", type=int, default=None)
+    parser.add_argument("--tokenizer-from", default=TOKENIZER_MODEL, help="registry model or folder")
     args = parser.parse_args(argv)
-    from kvbudget.models import is_fetched, model_dir
+    from kvbudget.errors import KVBudgetError
+    from kvbudget.models import resolve_source
 
-    if not is_fetched(TOKENIZER_MODEL):
-        print(f"error: run `kvbudget fetch model {TOKENIZER_MODEL}` first (its tokenizer)", file=sys.stderr)
+    try:
+        source = resolve_source(args.tokenizer_from)
+    except KVBudgetError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.max_positions is not None and args.max_positions < 1:
         print(f"error: --max-positions must be positive, got {args.max_positions}", file=sys.stderr)
@@ -62,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         config["max_position_embeddings"] = args.max_positions
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    source = model_dir(TOKENIZER_MODEL) / "hf"
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, args.out / name)

@@ -268,3 +268,37 @@ def test_report_adds_the_gpu_peak_column_for_gpu_rows() -> None:
         }
     )
     assert "peak GPU MiB" not in cpu_text
+
+
+def test_random_model_dir_writes_a_config_and_a_tokenizer(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from kvbudget.cli_checks import model_source
+
+    tokenizer_dir = _config_only_model(tmp_path / "tiny")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "random_model_dir.py"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+
+    done = run(str(tmp_path / "big"), "--max-positions", "131072", "--tokenizer-from", str(tokenizer_dir))
+    assert done.returncode == 0, done.stderr
+    config = AutoConfig.from_pretrained(tmp_path / "big")
+    assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("qwen2", 28, 4)
+    assert config.max_position_embeddings == 131072 and config.hidden_size == 3584
+    assert (tmp_path / "big" / "tokenizer.json").is_file() and not list(
+        (tmp_path / "big").glob("*.safetensors")
+    )
+    model_source(str(tmp_path / "big"))  # a folder `kvbudget bench --model` accepts
+    for bad, message in (
+        (
+            ["--max-positions", "0", "--tokenizer-from", str(tokenizer_dir)],
+            "--max-positions must be positive",
+        ),
+        (["--tokenizer-from", str(tmp_path / "nowhere")], "unknown model"),
+    ):
+        failed = run(str(tmp_path / "other"), *bad)
+        assert failed.returncode == 2 and message in failed.stderr and failed.stderr.count("\n") == 1

@@ -95,11 +95,11 @@ class BenchConfig:
 def run_key(spec: MeasureSpec | dict[str, Any]) -> str:
     d = asdict(spec) if isinstance(spec, MeasureSpec) else spec
     keys = ("model", "method", "length", "budget", "new_tokens", "dtype", "task", "seed", "repeat")
-    device = [d["device"]] if d.get("device", "cpu") != "cpu" else []  # CPU rows keep their keys
-    random = ["random"] if d.get("random_weights") else []
-    return json.dumps(
-        [d[k] for k in keys] + [d.get("batch", 1)] + device + random
-    )  # runs before `batch` had 1
+    # runs before `batch` had 1; CPU rows and real weights keep their earlier keys
+    extra = ([d["device"]] if d.get("device", "cpu") != "cpu" else []) + (
+        ["random"] if d.get("random_weights") else []
+    )
+    return json.dumps([d[k] for k in keys] + [d.get("batch", 1)] + extra)
 
 
 def run_worker(spec: MeasureSpec, threads: int | None = None, timeout: float | None = None) -> dict[str, Any]:
@@ -141,14 +141,11 @@ def aggregate(runs: list[dict[str, Any]], bandwidth: float | None) -> list[dict[
             "prompt_tokens": group[0]["prompt_tokens"],
             "repeats": len(group),
         }
-        for key in TIMED + SIZED:
+        gpu = ("gpu_peak_bytes",) if all("gpu_peak_bytes" in r for r in group) else ()  # runs on a GPU
+        for key in TIMED + SIZED + gpu:
             stats = _spread([float(r[key]) for r in group])
             row[key] = stats["median"] if key in TIMED else int(stats["median"])
             row[key + "_spread"] = [stats["min"], stats["max"]]
-        if all("gpu_peak_bytes" in r for r in group):  # runs on a GPU
-            stats = _spread([float(r["gpu_peak_bytes"]) for r in group])
-            row["gpu_peak_bytes"] = int(stats["median"])
-            row["gpu_peak_bytes_spread"] = [stats["min"], stats["max"]]
         row["compress_overhead"] = row["compress_s"] / row["prefill_s"] if row["prefill_s"] else None
         row["weight_bytes"] = group[0]["weight_bytes"]
         if bandwidth:

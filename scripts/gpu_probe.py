@@ -9,9 +9,10 @@ then for each length, in order of what matters most when time is short:
    runs, without its logits processors): TTFT and TPOT, greedy, ``--new-tokens`` tokens;
 2. each kvbudget method (``full`` first) through ``kvbudget.engine.prefill`` and ``decode_loop``,
    as ``kvbudget bench`` measures it, at ``--budget`` entries per head;
-3. at the first length only, ``torch.profiler`` over five decode steps of ``hf`` and of kvbudget's
-   ``full``, and over one prefill of each compressing method at ``--profile-length`` tokens: kernels
-   launched per step, and the top operators by host and by device time (``profile_*.txt``).
+3. at the first length only, ``torch.profiler`` over five decode steps of ``hf``, three of each
+   method, and one prefill of each compressing method at ``--profile-length`` tokens (0: none):
+   kernels launched per step, the top operators by host and by device time, and the Python call
+   sites with the most host time (``profiles.txt``).
 
 Every row is appended to ``DIR/probe.jsonl`` as soon as it is measured, so a run cut short by a
 time limit keeps what it finished. docs/gpu.md reads the rows; what the model generates means
@@ -84,26 +85,30 @@ def ours_run(model, prompt, method: str, budget: int, new_tokens: int) -> dict:
             "kv_held_bytes": held, "cache": cache, "logits": logits, "mask": mask, "last": last}  # fmt: skip
 
 
-def profile(fn, path: Path, steps: int) -> dict:
-    """Run ``fn`` under torch.profiler; write the top operators to ``path``; kernels per step."""
+def profile(fn, path: Path, title: str, steps: int) -> dict:
+    """Run ``fn`` under torch.profiler; append the top operators, and the Python call sites that
+    spend the most host time, under ``title`` to ``path``; returns kernels and time per step."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, with_stack=True) as prof:
         fn()
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == CUDA)
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
     cuda_total = sum(e.self_device_time_total for e in events if e.device_type == CUDA)
-    text = [f"kernels per step {kernels / steps:.0f}, aten calls per step {aten / steps:.0f}, "
+    text = [f"=== {title}",
+            f"kernels per step {kernels / steps:.0f}, aten calls per step {aten / steps:.0f}, "
             f"device time per step {cuda_total / steps / 1000:.2f} ms"]  # fmt: skip
     text.append(events.table(sort_by="self_cpu_time_total", row_limit=25))
     if torch.cuda.is_available():
         text.append(events.table(sort_by="self_cuda_time_total", row_limit=25))
-    path.write_text("\n".join(text))
+    text.append(events.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
+    with path.open("a") as fh:
+        fh.write("\n".join(text) + "\n")
     return {"kernels_per_step": kernels / steps, "aten_per_step": aten / steps,
             "device_ms_per_step": cuda_total / steps / 1000}  # fmt: skip
 
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     token.tolist()
 
             log({"phase": "profile", "method": "hf", "what": "5 decode steps",
-                 **profile(hf_steps, args.out / "profile_decode_hf.txt", 5)})  # fmt: skip
+                 **profile(hf_steps, args.out / "profiles.txt", "hf: 5 decode steps", 5)})  # fmt: skip
         del got
         for m in methods:
             budget = args.budget
@@ -181,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
             peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
             log({"phase": "run", "method": m, "budget": budget, "length": len(prompt.ids), **got,
                  "gpu_peak_bytes": peak})  # fmt: skip
-            if i == 0 and m == "full":
+            if i == 0:
                 c, logits, mask, last = got["cache"], got["logits"], got["mask"], got["last"]
-                log({"phase": "profile", "method": "full", "what": "5 decode steps",
-                     **profile(partial(decode_loop, model, c, logits, mask, last, set(), 6, trace=False),
-                               args.out / "profile_decode_full.txt", 5)})  # fmt: skip
+                steps = partial(decode_loop, model, c, logits, mask, last, set(), 4, trace=False)
+                log({"phase": "profile", "method": m, "what": "3 decode steps",
+                     **profile(steps, args.out / "profiles.txt", f"{m}: 3 decode steps", 3)})  # fmt: skip
             del got
-        if i == 0:
+        if i == 0 and args.profile_length:
             short = fit_prompt(tokenizer, "needle", args.profile_length)
             for m in methods:
                 if m == "full":
@@ -199,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                     prefill(model, [short], session, pad_id=0)
                     sync(dev)
 
-                log({"phase": "profile", "method": m, "what": f"prefill {len(short.ids)}",
-                     **profile(run_prefill, args.out / f"profile_prefill_{m}.txt", 1)})  # fmt: skip
+                what = f"prefill {len(short.ids)}"
+                log({"phase": "profile", "method": m, "what": what,
+                     **profile(run_prefill, args.out / "profiles.txt", f"{m}: {what}", 1)})  # fmt: skip
     return 0
 
 

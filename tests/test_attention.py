@@ -60,3 +60,17 @@ def test_hook_equals_sdpa_on_the_real_model(real_model):
     with kvbudget.attached(model):
         out = _logits(model, ids, cache=BudgetCache(model.config.num_hidden_layers))
     assert torch.allclose(out, reference, atol=1e-5), (out - reference).abs().max()
+
+
+def test_attention_over_a_cache_on_cuda_leaves_cudnn_out():
+    """cuDNN's SDPA backend builds a graph per key length: off for decode-shaped calls on CUDA only."""
+    from torch.nn.attention import SDPBackend
+
+    from kvbudget.attention import cache_backends
+
+    cuda = torch.device("cuda")  # a device object; no GPU needed
+    decode = cache_backends(cuda, 1, 300)
+    assert decode is not None and SDPBackend.CUDNN_ATTENTION not in decode
+    assert SDPBackend.MATH in decode  # the backend every shape and mask can use stays on
+    assert cache_backends(cuda, 300, 300) is None  # a prefill keeps every backend
+    assert cache_backends(torch.device("cpu"), 1, 300) is None

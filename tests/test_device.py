@@ -88,3 +88,27 @@ def test_compression_on_the_device_keeps_the_cpu_entries(name, models, target) -
     # key norms swapped one entry of 48 on an H200): at most one entry in fifty may differ
     same = sum(sum((Counter(k) & Counter(e)).values()) for k, e in zip(kept, expected, strict=True))
     assert same >= 0.98 * sum(len(e) for e in expected)
+
+
+@pytest.mark.parametrize("name", ["full", "ada-snapkv"])
+def test_decoding_on_the_device_leaves_cudnn_attention_out(name, models, monkeypatch) -> None:
+    """Every attention over a cache (fewer queries than keys) runs with cuDNN's SDPA backend off,
+    in the rectangular (full) and the per-head layout (ada-snapkv): cuDNN rebuilds a graph for
+    each new key length, every decode step (docs/gpu.md)."""
+    _, device_model = models
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    tokenizer = tiny_tokenizer(chat_template=True)
+    with torch.device("cpu"):
+        kvbudget.generate(
+            device_model, tokenizer, CONTEXT, QUESTION, method=small(name), budget=40, max_new_tokens=6
+        )
+    over_cache = [enabled for q, n, enabled in calls if q < n]
+    assert len(over_cache) >= 5 * 2  # five decode steps, at least two layers (more heads per-head)
+    assert not any(over_cache)

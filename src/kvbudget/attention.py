@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -132,13 +133,37 @@ def _sdpa(
     )
 
 
+#: The SDPA backends for queries that attend to a cache on CUDA: all but cuDNN's. cuDNN builds an
+#: execution graph for each key length it meets, and a decode step meets a new length every step
+#: (in the per-head layout, one per KV head). On an H200 with torch 2.11, that build cost 41 ms of
+#: host time per call in the per-head layout, a 5 s decode step for a 7B model, and 1.4–2.2 ms per
+#: call in the rectangular layout and in transformers' own decoding, against a step of 6.5 ms of
+#: GPU work (docs/gpu.md). A prefill (as many queries as keys) keeps every backend.
+CACHE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cache_backends(device: torch.device, queries: int, keys: int) -> list[SDPBackend] | None:
+    """The SDPA backends to allow for ``queries`` new queries over ``keys`` entries on ``device``:
+    :data:`CACHE_BACKENDS` on CUDA when the queries are fewer than the keys, else ``None`` (all)."""
+    return CACHE_BACKENDS if device.type == "cuda" and queries < keys else None
+
+
 def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> torch.Tensor:
     """Exact attention of ``query: [b, q_heads, q, d]`` over all entries of ``layer``.
 
     The last ``q`` entries of every head are the queries' own tokens (they were just appended).
     The layer's ``sliding_window`` and ``softcap`` (set by :func:`kvbudget_attention` from what the
-    model passes) apply. Returns ``[b, q_heads, q, d_v]``.
+    model passes) apply. On CUDA, queries over a cache leave cuDNN's backend out
+    (:data:`CACHE_BACKENDS`). Returns ``[b, q_heads, q, d_v]``.
     """
+    backends = cache_backends(query.device, query.shape[2], layer.physical_length)
+    if backends is None:
+        return _attend_layer(query, layer, scaling)
+    with sdpa_kernel(backends):
+        return _attend_layer(query, layer, scaling)
+
+
+def _attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> torch.Tensor:
     q = query.shape[2]
     window, softcap = layer.sliding_window, layer.softcap
     if not layer.is_ragged:

@@ -90,8 +90,8 @@ class CaM(Method):
         columns = []
         for offset in offsets:
             g = torch.Generator().manual_seed(self.seed * 2**40 + layer_idx * 2**24 + offset)
-            columns.append(torch.rand(heads, generator=g))
-        return torch.stack(columns, dim=1) if columns else torch.zeros(heads, 0)
+            columns.append(torch.rand(heads, generator=g, device="cpu"))
+        return torch.stack(columns, dim=1) if columns else torch.zeros(heads, 0, device="cpu")
 
     def evict(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> None:
         """Keep sinks + recent in rows holding more than ``limits[r]`` per head, merging the values."""

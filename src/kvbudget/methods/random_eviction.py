@@ -31,10 +31,10 @@ class RandomEviction(Composable):
     seed: int = 0
 
     def score(self, obs: Observation) -> torch.Tensor:
-        scores = torch.zeros(obs.positions.shape)
+        scores = torch.zeros(obs.positions.shape, device="cpu")  # drawn on the CPU: the same on every device
         valid = obs.valid.cpu()
         for r in range(scores.shape[0]):
             generator = torch.Generator().manual_seed(self.seed + obs.layer_idx)
-            row = torch.rand((scores.shape[1], int(valid[r, 0].sum())), generator=generator)
+            row = torch.rand((scores.shape[1], int(valid[r, 0].sum())), generator=generator, device="cpu")
             scores[r][valid[r]] = row.reshape(-1)
         return scores.to(obs.positions.device)

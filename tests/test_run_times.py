@@ -52,3 +52,22 @@ def test_generate_reports_times_that_add_up(llama, chat_tokenizer):
     assert 0 < first_token < 0.5 * result.ttft_s
     steps = len(result.token_ids) - 1
     assert steps >= 1 and result.tpot_s == pytest.approx(timings["decode"] / steps)
+
+
+def test_a_synchronizing_session_waits_for_the_device_before_each_reading(monkeypatch):
+    """On a GPU the session's timers would count attention still queued; ``synchronize`` waits."""
+    import torch
+
+    from kvbudget.session import CompressionSession
+
+    waited: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    session = CompressionSession(make_method("snapkv"), num_layers=2, budget=8)
+    cuda = torch.device("cuda")  # a device object; no GPU is touched (synchronize is replaced)
+    session.clock(cuda)
+    assert waited == []  # off by default: the host runs ahead
+    session.synchronize = True
+    before = session.clock(torch.device("cpu"))
+    assert waited == []  # nothing to wait for on the CPU
+    assert session.clock(cuda) >= before
+    assert waited == [cuda]

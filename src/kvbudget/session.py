@@ -47,6 +47,10 @@ class CompressionSession:
         lookahead_seconds, reselect_seconds: a lookahead method's lookahead (clone, compress,
             pseudo decoding) and re-selection time (both included in ``compress_seconds``).
         decode_seconds: time spent trimming during decoding.
+        synchronize: when True, every one of these timers waits for the device's queued work
+            before it reads the clock (:meth:`clock`), so on a GPU they count the method's own work
+            and not the attention queued before it. Off by default: it stalls the host once per
+            layer. ``kvbudget bench`` turns it on.
         recorded_queries: per layer, post-RoPE queries ``[b, q_heads, m, d]`` (all of them in
             ``"record"`` phase; the last ``method.queries_to_record()`` in ``"prefill"`` phase).
         observation_memos: per layer, the memo of the prefill :class:`Observation` (window
@@ -72,10 +76,17 @@ class CompressionSession:
         self.decode_seconds = 0.0
         self.lookahead_seconds = 0.0
         self.reselect_seconds = 0.0
+        self.synchronize = False
         self.recorded_queries: dict[int, torch.Tensor] = {}
         self.scaling: float | None = None
         self.observation_memos: dict[int, dict] | None = None
         self.prompt_ids: torch.Tensor | None = None
+
+    def clock(self, device: torch.device) -> float:
+        """``time.perf_counter()``, after ``device``'s queued work when :attr:`synchronize` is on."""
+        if self.synchronize and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     @property
     def compresses(self) -> bool:
@@ -135,7 +146,7 @@ class CompressionSession:
             self.recorded_queries[layer_idx] = query
             self.scaling = scaling
         elif self.phase == "prefill":
-            start = time.perf_counter()
+            start = self.clock(query.device)
             keep_queries = self.method.queries_to_record()
             if keep_queries:
                 self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]
@@ -163,12 +174,12 @@ class CompressionSession:
                 self.method.post_prefill(layers, self.targets)
                 for i, compressed in enumerate(layers):
                     self.kept[:, i] = compressed.head_lengths().cpu()
-            self.compress_seconds += time.perf_counter() - start
+            self.compress_seconds += self.clock(query.device) - start
         elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
-            start = time.perf_counter()
+            start = self.clock(query.device)
             obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
             self.method.decode_step(obs, self.decode_budgets())
-            self.decode_seconds += time.perf_counter() - start
+            self.decode_seconds += self.clock(query.device) - start
 
 
 def replay_prefill(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,7 +269,7 @@ class KVzip(Method):
                 f"{self.name} needs the prompt's token ids and the model's prompts: run it through "
                 "kvbudget.generate, kvbudget.compress or snapshot.derive"
             )
-        start = time.perf_counter()
+        start = session.clock(model.device)
         num_layers = len(cache.layers)
         n = cache.layers[0].keys.shape[2]
         shape = cache.layers[0].positions.shape
@@ -284,8 +283,9 @@ class KVzip(Method):
             for layer_idx in range(num_layers):
                 scores[layer_idx][r, :, first:] = row[layer_idx].cpu()
         self.keep(cache, scores, anchors, session)
-        session.lookahead_seconds += time.perf_counter() - start
-        session.compress_seconds += time.perf_counter() - start
+        elapsed = session.clock(model.device) - start
+        session.lookahead_seconds += elapsed
+        session.compress_seconds += elapsed
 
     def row_scores(
         self, model: PreTrainedModel, cache: BudgetCache, r: int, ids: torch.Tensor, last_pos: int

@@ -23,7 +23,6 @@ evaluation runner's shared-prefill path gives the same cache as a layer-wise run
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -347,11 +346,11 @@ class LookaheadMixin:
                     session.kept[:, layer_idx] = cache.layers[layer_idx].head_lengths().cpu()
             session.recorded_queries.clear()
             return
-        start = time.perf_counter()
+        start = session.clock(logits.device)
         record = self.pseudo_decode(model, cache, logits, mask, last_pos, eos)
-        middle = time.perf_counter()
+        middle = session.clock(logits.device)
         self.reselect(cache, record)
-        end = time.perf_counter()
+        end = session.clock(logits.device)
         session.lookahead_seconds += middle - start
         session.reselect_seconds += end - middle
         session.compress_seconds += end - start

@@ -39,9 +39,12 @@ def sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def hf_run(model, ids: list[int], new_tokens: int) -> dict:
-    """Greedy decoding with transformers' own cache: TTFT, TPOT (seconds)."""
+    """Greedy decoding with transformers' own cache and attention: TTFT, TPOT (seconds)."""
     from transformers import DynamicCache
 
+    from kvbudget.attention import detach
+
+    detach(model)  # kvbudget's prefill attached its attention; the next one attaches it again
     dev = model.device
     x = torch.tensor([ids], device=dev)
     sync(dev)
@@ -73,11 +76,13 @@ def ours_run(model, prompt, method: str, budget: int, new_tokens: int) -> dict:
     session = CompressionSession(
         MethodSpec.parse(method).build(), model.config.num_hidden_layers, budget=budget
     )
+    session.synchronize = True  # the compress split counts the method's own work, as in bench
     sync(dev)
     start = time.perf_counter()
     cache, logits, mask, last = prefill(model, [prompt], session, pad_id=0)
     sync(dev)
     wall = time.perf_counter() - start
+    session.synchronize = False  # the decode loop is timed as a whole
     decoded = decode_loop(model, cache, logits, mask, last, set(), new_tokens, trace=False)
     times = RunTimes.of(wall, session, decoded)
     held = sum(layer.held_bytes() for layer in cache.layers)
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
 
+    from kvbudget.attention import detach
     from kvbudget.bench.measure import fit_prompt
     from kvbudget.engine import decode_loop, prefill
     from kvbudget.eval.runner import MethodSpec
@@ -174,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                     token = out.logits[:, -1].argmax(-1, keepdim=True)
                     token.tolist()
 
+            detach(model)
             log({"phase": "profile", "method": "hf", "what": "5 decode steps",
                  **profile(hf_steps, args.out / "profiles.txt", "hf: 5 decode steps", 5)})  # fmt: skip
+            del hf_steps, cache  # the peaks after this count only what each run holds
         del got
         for m in methods:
             budget = args.budget
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = partial(decode_loop, model, c, logits, mask, last, set(), 4, trace=False)
                 log({"phase": "profile", "method": m, "what": "3 decode steps",
                      **profile(steps, args.out / "profiles.txt", f"{m}: 3 decode steps", 3)})  # fmt: skip
+                del c, logits, mask, last, steps
             del got
         if i == 0 and args.profile_length:
             short = fit_prompt(tokenizer, "needle", args.profile_length)

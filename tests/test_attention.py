@@ -62,15 +62,36 @@ def test_hook_equals_sdpa_on_the_real_model(real_model):
     assert torch.allclose(out, reference, atol=1e-5), (out - reference).abs().max()
 
 
-def test_attention_over_a_cache_on_cuda_leaves_cudnn_out():
-    """cuDNN's SDPA backend builds a graph per key length: off for decode-shaped calls on CUDA only."""
-    from torch.nn.attention import SDPBackend
-
-    from kvbudget.attention import cache_backends
+def test_decode_sized_attention_on_cuda_leaves_cudnn_out():
+    """cuDNN's SDPA backend builds a graph per key length: off for decode-sized calls on CUDA only."""
+    from kvbudget.attention import DECODE_QUERIES, leaves_cudnn_out
 
     cuda = torch.device("cuda")  # a device object; no GPU needed
-    decode = cache_backends(cuda, 1, 300)
-    assert decode is not None and SDPBackend.CUDNN_ATTENTION not in decode
-    assert SDPBackend.MATH in decode  # the backend every shape and mask can use stays on
-    assert cache_backends(cuda, 300, 300) is None  # a prefill keeps every backend
-    assert cache_backends(torch.device("cpu"), 1, 300) is None
+    assert leaves_cudnn_out(cuda, 1, 300)  # a decode step
+    assert leaves_cudnn_out(cuda, DECODE_QUERIES, 300)
+    assert not leaves_cudnn_out(cuda, DECODE_QUERIES + 1, 300)  # a question: math would not fit
+    assert not leaves_cudnn_out(cuda, 300, 300)  # a prefill
+    assert not leaves_cudnn_out(torch.device("cpu"), 1, 300)
+
+
+def test_turning_cudnn_sdpa_off_keeps_the_other_choices_and_restores_it():
+    from kvbudget.attention import _cudnn_sdpa_off
+
+    cuda = torch.backends.cuda
+    assert cuda.cudnn_sdp_enabled()
+    cuda.enable_flash_sdp(False)
+    try:
+        with _cudnn_sdpa_off():
+            assert not cuda.cudnn_sdp_enabled()
+            assert not cuda.flash_sdp_enabled() and cuda.math_sdp_enabled()  # the user's choices stay
+        assert cuda.cudnn_sdp_enabled()
+        with pytest.raises(RuntimeError), _cudnn_sdpa_off():
+            raise RuntimeError("inside")
+        assert cuda.cudnn_sdp_enabled()  # restored after an error too
+        for enable in (cuda.enable_mem_efficient_sdp, cuda.enable_math_sdp):
+            enable(False)
+        with _cudnn_sdpa_off():  # cuDNN is the only backend left on: it stays on
+            assert cuda.cudnn_sdp_enabled()
+    finally:
+        for enable in (cuda.enable_flash_sdp, cuda.enable_mem_efficient_sdp, cuda.enable_math_sdp):
+            enable(True)

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -133,19 +132,38 @@ def _sdpa(
     )
 
 
-#: The SDPA backends for queries that attend to a cache on CUDA: all but cuDNN's. cuDNN builds an
-#: execution graph for each key length it meets, and a decode step meets a new length every step
-#: (in the per-head layout, one per KV head). On an H200 with torch 2.11, that build cost 41 ms of
-#: host time per call in the per-head layout, a 5 s decode step for a 7B model, and 1.4–2.2 ms per
-#: call in the rectangular layout and in transformers' own decoding, against a step of 6.5 ms of
-#: GPU work (docs/gpu.md). A prefill (as many queries as keys) keeps every backend.
-CACHE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: The most queries a forward may have and still leave cuDNN's SDPA backend out on CUDA (decode
+#: steps, lookahead steps). cuDNN builds an execution graph for each key length it meets, and a
+#: decode step meets a new length every step (in the per-head layout, one per KV head). On an H200
+#: with torch 2.11, that build cost 29–41 ms of host time per call in the per-head layout (a 7B
+#: model's decode step took 3.4–5.3 s) and 1.4–2.2 ms per call in the rectangular layout and in
+#: transformers' own decoding, against 6.5 ms of GPU work per step (docs/gpu.md). Longer forwards
+#: keep cuDNN: without it a masked grouped-query call has only the math backend left (flash takes
+#: no mask, and torch's efficient backend no grouped heads), whose ``[b, heads, q, n]`` fp32 scores
+#: would not fit for a long question or KVzip's reconstruction over a long context.
+DECODE_QUERIES = 16
 
 
-def cache_backends(device: torch.device, queries: int, keys: int) -> list[SDPBackend] | None:
-    """The SDPA backends to allow for ``queries`` new queries over ``keys`` entries on ``device``:
-    :data:`CACHE_BACKENDS` on CUDA when the queries are fewer than the keys, else ``None`` (all)."""
-    return CACHE_BACKENDS if device.type == "cuda" and queries < keys else None
+def leaves_cudnn_out(device: torch.device, queries: int, keys: int) -> bool:
+    """Whether ``queries`` new queries over ``keys`` entries on ``device`` run with cuDNN's SDPA
+    backend off: on CUDA, decode-sized forwards (at most :data:`DECODE_QUERIES`) over a cache."""
+    return device.type == "cuda" and queries < keys and queries <= DECODE_QUERIES
+
+
+@contextmanager
+def _cudnn_sdpa_off() -> Iterator[None]:
+    """Turn cuDNN's SDPA backend off for the block, leaving the user's other choices as they are
+    (unless it is the only backend the user left on)."""
+    cuda = torch.backends.cuda
+    others = cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled() or cuda.math_sdp_enabled()
+    if not (cuda.cudnn_sdp_enabled() and others):
+        yield
+        return
+    cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        cuda.enable_cudnn_sdp(True)
 
 
 def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> torch.Tensor:
@@ -153,13 +171,12 @@ def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> tor
 
     The last ``q`` entries of every head are the queries' own tokens (they were just appended).
     The layer's ``sliding_window`` and ``softcap`` (set by :func:`kvbudget_attention` from what the
-    model passes) apply. On CUDA, queries over a cache leave cuDNN's backend out
-    (:data:`CACHE_BACKENDS`). Returns ``[b, q_heads, q, d_v]``.
+    model passes) apply. On CUDA a decode-sized forward runs with cuDNN's SDPA backend off
+    (:data:`DECODE_QUERIES`). Returns ``[b, q_heads, q, d_v]``.
     """
-    backends = cache_backends(query.device, query.shape[2], layer.physical_length)
-    if backends is None:
+    if not leaves_cudnn_out(query.device, query.shape[2], layer.physical_length):
         return _attend_layer(query, layer, scaling)
-    with sdpa_kernel(backends):
+    with _cudnn_sdpa_off():
         return _attend_layer(query, layer, scaling)
 
 

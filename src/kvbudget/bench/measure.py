@@ -123,6 +123,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     if on_gpu:
         torch.cuda.synchronize(model.device)
     prefill_wall = time.perf_counter() - start
+    session.synchronize = False  # the decode loop is timed as a whole (each step reads its token)
     after_prefill = cache.stats()
     decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
     times = RunTimes.of(prefill_wall, session, decoded)

@@ -68,21 +68,15 @@ def hf_run(model, ids: list[int], new_tokens: int) -> dict:
 
 def ours_run(model, prompt, method: str, budget: int, new_tokens: int) -> dict:
     """kvbudget's prefill and decode loop, as ``kvbudget bench`` times them."""
-    from kvbudget.engine import RunTimes, decode_loop, prefill
+    from kvbudget.bench.measure import timed_prefill
+    from kvbudget.engine import RunTimes, decode_loop
     from kvbudget.eval.runner import MethodSpec
     from kvbudget.session import CompressionSession
 
-    dev = model.device
     session = CompressionSession(
         MethodSpec.parse(method).build(), model.config.num_hidden_layers, budget=budget
     )
-    session.synchronize = True  # the compress split counts the method's own work, as in bench
-    sync(dev)
-    start = time.perf_counter()
-    cache, logits, mask, last = prefill(model, [prompt], session, pad_id=0)
-    sync(dev)
-    wall = time.perf_counter() - start
-    session.synchronize = False  # the decode loop is timed as a whole
+    cache, logits, mask, last, wall = timed_prefill(model, [prompt], session, pad_id=0)
     decoded = decode_loop(model, cache, logits, mask, last, set(), new_tokens, trace=False)
     times = RunTimes.of(wall, session, decoded)
     held = sum(layer.held_bytes() for layer in cache.layers)

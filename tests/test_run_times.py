@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from kvbudget.engine import Decoded, RunTimes, generate
 from kvbudget.methods.registry import make_method
+from kvbudget.session import CompressionSession
 
 
 def test_run_times_split_the_prefill_and_the_first_token():
@@ -56,10 +58,6 @@ def test_generate_reports_times_that_add_up(llama, chat_tokenizer):
 
 def test_a_synchronizing_session_waits_for_the_device_before_each_reading(monkeypatch):
     """On a GPU the session's timers would count attention still queued; ``synchronize`` waits."""
-    import torch
-
-    from kvbudget.session import CompressionSession
-
     waited: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
     session = CompressionSession(make_method("snapkv"), num_layers=2, budget=8)

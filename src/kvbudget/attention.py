@@ -31,7 +31,7 @@ budget applies to them too, and entries outside the window are never kept past t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,32 +112,12 @@ def softcapped_attention(
     return torch.matmul(probs, value)
 
 
-def _sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None,
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with GQA, or :func:`softcapped_attention` under a softcap."""
-    if softcap is not None:
-        if is_causal:
-            n, q = key.shape[2], query.shape[2]
-            mask = causal_visibility(n, q, query.device)
-        return softcapped_attention(query, key, value, mask, scaling, softcap)
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=True
-    )
-
-
 #: The most queries a forward may have and still leave cuDNN's SDPA backend out on CUDA (decode
 #: steps, lookahead steps). cuDNN builds an execution graph for each key length it meets, and a
 #: decode step meets a new length every step (in the per-head layout, one per KV head). On an H200
 #: with torch 2.11, that build cost 29–41 ms of host time per call in the per-head layout (a 7B
-#: model's decode step took 3.4–5.3 s) and 1.4–2.2 ms per call in the rectangular layout and in
-#: transformers' own decoding, against 6.5 ms of GPU work per step (docs/gpu.md). Longer forwards
+#: model's decode step took 3.4–5.3 s) and 1.4–2.2 ms per call in the rectangular layout and on
+#: transformers' DynamicCache, against 6.5 ms of GPU work per step (docs/gpu.md). Longer forwards
 #: keep cuDNN: without it a masked grouped-query call has only the math backend left (flash takes
 #: no mask, and torch's efficient backend no grouped heads), whose ``[b, heads, q, n]`` fp32 scores
 #: would not fit for a long question or KVzip's reconstruction over a long context.
@@ -166,21 +146,35 @@ def _cudnn_sdpa_off() -> Iterator[None]:
         cuda.enable_cudnn_sdp(True)
 
 
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with GQA, or :func:`softcapped_attention` under a softcap.
+    On CUDA a decode-sized call runs with cuDNN's SDPA backend off (:data:`DECODE_QUERIES`)."""
+    q, n = query.shape[2], key.shape[2]
+    if softcap is not None:
+        if is_causal:
+            mask = causal_visibility(n, q, query.device)
+        return softcapped_attention(query, key, value, mask, scaling, softcap)
+    with _cudnn_sdpa_off() if leaves_cudnn_out(query.device, q, n) else nullcontext():
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=True
+        )
+
+
 def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> torch.Tensor:
     """Exact attention of ``query: [b, q_heads, q, d]`` over all entries of ``layer``.
 
     The last ``q`` entries of every head are the queries' own tokens (they were just appended).
     The layer's ``sliding_window`` and ``softcap`` (set by :func:`kvbudget_attention` from what the
-    model passes) apply. On CUDA a decode-sized forward runs with cuDNN's SDPA backend off
-    (:data:`DECODE_QUERIES`). Returns ``[b, q_heads, q, d_v]``.
+    model passes) apply. Returns ``[b, q_heads, q, d_v]``.
     """
-    if not leaves_cudnn_out(query.device, query.shape[2], layer.physical_length):
-        return _attend_layer(query, layer, scaling)
-    with _cudnn_sdpa_off():
-        return _attend_layer(query, layer, scaling)
-
-
-def _attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> torch.Tensor:
     q = query.shape[2]
     window, softcap = layer.sliding_window, layer.softcap
     if not layer.is_ragged:

@@ -15,12 +15,19 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbudget.bench.bandwidth import weight_bytes
 from kvbudget.bench.memory import current_rss_bytes, peak_rss_bytes, reset_peak
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvbudget.cache import BudgetCache
+    from kvbudget.engine import Prompt
+    from kvbudget.session import CompressionSession
 
 #: the prefix of the worker's result line on stdout
 RESULT_PREFIX = "KVBUDGET_BENCH_ROW "
@@ -84,6 +91,29 @@ def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
     return prompt
 
 
+def timed_prefill(
+    model: PreTrainedModel, prompts: list[Prompt], session: CompressionSession, pad_id: int
+) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Prefill ``prompts`` with ``session`` as the bench times it: on a GPU the clock stops after
+    the queued work, and the session's timers wait for it (``CompressionSession.synchronize``) so
+    its compress time is the method's own; they stop waiting once the prefill is done (a decode
+    loop is timed as a whole: each step reads its token). Returns ``prefill``'s cache, logits,
+    mask and last positions, then the wall seconds."""
+    from kvbudget.engine import prefill
+
+    on_gpu = model.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize(model.device)
+    session.synchronize = True
+    start = time.perf_counter()
+    out = prefill(model, prompts, session, pad_id)
+    if on_gpu:
+        torch.cuda.synchronize(model.device)
+    wall = time.perf_counter() - start
+    session.synchronize = False
+    return (*out, wall)
+
+
 def measure(spec: MeasureSpec) -> dict[str, Any]:
     """Run ``spec`` in this process and return its row (see :mod:`kvbudget.bench.grid`)."""
     from kvbudget.engine import RunTimes, decode_loop, prefill
@@ -117,13 +147,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
         torch.cuda.synchronize(model.device)
         torch.cuda.reset_peak_memory_stats(model.device)
     session = CompressionSession(method, layers, budget=budget)
-    session.synchronize = True  # on a GPU the compress time is the method's own work
-    start = time.perf_counter()
-    cache, logits, mask, last = prefill(model, [prompt] * spec.batch, session, pad_id)
-    if on_gpu:
-        torch.cuda.synchronize(model.device)
-    prefill_wall = time.perf_counter() - start
-    session.synchronize = False  # the decode loop is timed as a whole (each step reads its token)
+    cache, logits, mask, last, prefill_wall = timed_prefill(model, [prompt] * spec.batch, session, pad_id)
     after_prefill = cache.stats()
     decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
     times = RunTimes.of(prefill_wall, session, decoded)

@@ -269,12 +269,33 @@ def ada_caps(scores: torch.Tensor, sinks: int, budget: int, alpha: float) -> lis
     return caps
 
 
+def kvpress_floor_caps(scores: torch.Tensor, sinks: int, budget: int, alpha: float) -> list[int]:
+    """kvpress ``AdaKVPress``'s per-head counts (sinks excluded), step by step as its ``compress``:
+    the sinks scored above every entry, each head's top ``max(1, int(α·B))`` raised to +inf, then the
+    ``H·(n − B)`` lowest (head, slot) pairs pruned (ties: the later pair first)."""
+    heads, n = scores.shape
+    s = scores.double().clone()
+    s[:, :sinks] = float(s.max()) + 1
+    safe = max(1, int(budget * alpha)) if alpha > 0 else 0
+    for h in range(heads):
+        for i in sorted(range(n), key=lambda i: -float(s[h, i]))[:safe]:
+            s[h, i] = math.inf
+    ascending = sorted(((float(s[h, i]), h, i) for h in range(heads) for i in range(n)),
+                       key=lambda t: (t[0], -t[1], -t[2]))  # fmt: skip
+    kept = [n] * heads
+    for _, h, _ in ascending[: heads * (n - budget)]:
+        kept[h] -= 1
+    return [k - sinks for k in kept]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize(
     ("options", "budget"),
     [
         ({"adaptive": False, "epsilon": 0.0}, 30),
         ({}, 30),
+        ({"floor": "kvpress"}, 30),
+        ({"floor": "kvpress", "floor_alpha": 0.9}, 24),
         ({"adaptive": False, "covariance": False, "queries": 40}, 24),
         ({"floor_alpha": 0.0, "future": 64}, 20),
     ],
@@ -292,10 +313,17 @@ def test_expected_attention_keeps_the_closed_form_top(kind: str, options: dict, 
         method.covariance,
         method.queries,
     )
+    binds = False  # kvpress's floor changes some head's budget
     for layer_idx, layer in enumerate(cache.layers):
         s = scores[layer_idx]
         heads = s.shape[0]
-        caps = ada_caps(s, 4, budget, method.floor_alpha) if method.adaptive else [budget - 4] * heads
+        if not method.adaptive:
+            caps = [budget - 4] * heads
+        elif method.floor == "kvpress":
+            caps = kvpress_floor_caps(s, 4, budget, method.floor_alpha)
+            binds |= caps != kvpress_floor_caps(s, 4, budget, 0.0)
+        else:
+            caps = ada_caps(s, 4, budget, method.floor_alpha)
         for h in range(heads):
             ranked = sorted(range(4, len(ids)), key=lambda i: -float(s[h, i]))
             assert float(s[h, ranked[caps[h] - 1]] - s[h, ranked[caps[h]]]) > 1e-7  # no near tie at the cut
@@ -305,6 +333,8 @@ def test_expected_attention_keeps_the_closed_form_top(kind: str, options: dict, 
     assert int(entries.sum()) == entries.numel() * budget
     if method.adaptive:
         assert len(set(entries.flatten().tolist())) > 1  # head budgets differ
+    if method.floor_alpha == 0.9:
+        assert binds
 
 
 def test_expected_attention_needs_a_rotary_model_and_good_options() -> None:
@@ -314,6 +344,7 @@ def test_expected_attention_needs_a_rotary_model_and_good_options() -> None:
         ({"future": 0}, "future"),
         ({"epsilon": -1.0}, "epsilon"),
         ({"floor_alpha": 2.0}, "floor"),
+        ({"floor": "median"}, "floor must be one of adakv, kvpress"),
     ]:
         with pytest.raises(MethodOptionError, match=words):
             make_method("expected-attention", **options)

@@ -80,6 +80,41 @@ def adaptive_head_budgets(
     return largest_remainder_round(shares, total) + window
 
 
+def safeguard_head_budgets(
+    scores: torch.Tensor, layer_budget: int, window: int, floor_alpha: float
+) -> torch.Tensor:
+    """Head budgets with kvpress's AdaKV floor (``AdaKVPress``'s ``alpha_safeguard``), one batch row.
+
+    Every head first keeps its own top ``s = int(α·B)`` entries (at least one when ``α > 0``), its
+    protected entries among them (kvpress scores them above everything); the rest of the layer's
+    ``H·B`` entries go to one top-k over the heads' remaining candidates. A head's budget is what it
+    ends up with. (:func:`adaptive_head_budgets` instead mixes each head's winners with an even share,
+    AdaKV's ``n_h(1−α) + α·B'``.)
+
+    Args:
+        scores: ``[kv_heads, m]`` candidate scores (protected excluded; invalid = -inf).
+        layer_budget: ``B``, entries per head on average, protected included.
+        window: protected entries per head.
+        floor_alpha: ``α``, the share of ``B`` each head keeps by its own ranking.
+
+    Returns:
+        ``[kv_heads]`` budgets (protected included) summing exactly to ``kv_heads · layer_budget``.
+    """
+    heads, m = scores.shape
+    b_prime = layer_budget - window
+    safe = int(layer_budget * floor_alpha)
+    if floor_alpha > 0 and layer_budget > 0:
+        safe = max(1, safe)
+    forced = min(max(safe - window, 0), b_prime)
+    rest = torch.sort(scores, dim=-1, descending=True, stable=True).values[:, forced:]  # [heads, m − forced]
+    total = heads * (b_prime - forced)
+    counts = torch.zeros(heads, dtype=torch.long)
+    if total > 0:
+        winners = torch.sort(rest.reshape(-1), descending=True, stable=True).indices[:total] // rest.shape[1]
+        counts = torch.bincount(winners.cpu(), minlength=heads)
+    return counts + forced + window
+
+
 # ---------------------------------------------------------------------------- dynamic layer budgets
 def proportional_budgets(
     weights: Sequence[float] | torch.Tensor, total: int, bounds: Sequence[int]

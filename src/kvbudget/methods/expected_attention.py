@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbudget.allocation import adaptive_head_budgets
+from kvbudget.allocation import adaptive_head_budgets, safeguard_head_budgets
 from kvbudget.errors import KVBudgetError, MethodOptionError, UnsupportedModelError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
@@ -66,8 +67,12 @@ class ExpectedAttention(Method):
     Budgets: head-adaptive (``adaptive=True``, the paper's setting and kvpress's leaderboard entry
     ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``): one top ``H·(B − sinks)`` over the layer's
     heads gives each head's winners ``n_h``, ``cap_h = n_h(1 − α) + (B − sinks)α`` (AdaKV's formula,
-    as ``ada-snapkv``; floor ``α = 0.2``) — stored ragged. ``adaptive=False`` keeps ``B`` per head
-    (kvpress's bare ``ExpectedAttentionPress``). The first ``sinks`` entries are always kept.
+    as ``ada-snapkv``; floor ``α = 0.2``) — stored ragged. ``floor="kvpress"`` takes kvpress's floor
+    instead (``AdaKVPress``'s ``alpha_safeguard``: each head keeps its own top ``int(α·B)``, sinks
+    among them, and one top-k over the heads' remaining entries fills the layer), which keeps
+    kvpress's leaderboard entry's positions exactly (``tests/test_kvpress_oracle.py``).
+    ``adaptive=False`` keeps ``B`` per head (kvpress's bare ``ExpectedAttentionPress``). The first
+    ``sinks`` entries are always kept.
 
     Shapes: queries ``[b, q_heads, n, d]``, keys and values ``[b, kv_heads, n, d]``; ``μ̄: [q_heads, d]``,
     ``Σ̄: [q_heads, d, d]`` per row; scores ``[b, kv_heads, n]``.
@@ -76,9 +81,11 @@ class ExpectedAttention(Method):
     queries the attention used (the same vectors up to float rounding; a RoPE type's attention scale
     cancels, as it scales both the queries and kvpress's ``R̄``). ``R̄`` comes from the model's
     ``rotary_emb.inv_freq`` (bound by :meth:`prepare`); its layout is ``rotate_half``'s (Llama,
-    Qwen, Mistral, Gemma, Phi-3; partial rotary: the first ``2·len(inv_freq)`` dims). The head
-    floor is AdaKV's formula, not kvpress's safeguard (each head's top ``int(α·B)`` forced in);
-    with ``floor_alpha=0`` both are the plain top-k over the layer's heads. The paper's value term
+    Qwen, Mistral, Gemma, Phi-3; partial rotary: the first ``2·len(inv_freq)`` dims). The default
+    head floor is AdaKV's formula (as ``ada-snapkv``), not kvpress's safeguard (``floor="kvpress"``);
+    with ``floor_alpha=0`` both are the plain top-k over the layer's heads. We score in float64;
+    kvpress scores in the model's dtype, so in bf16 the two keep a few percent different entries
+    even with the same floor (docs/leaderboard.md, ``scripts/ea_kvpress_overlap.py``). The paper's value term
     ``‖W_o v‖`` is ``‖v‖`` here, as in kvpress. Prefill only (the paper's decoding variant is not
     implemented).
 
@@ -91,7 +98,9 @@ class ExpectedAttention(Method):
         window: recent entries always kept (0). future: future positions averaged (512).
         queries: statistics from the last ``queries`` prompt queries (0 = all after the sinks).
         covariance: use ``Σ̄`` (True). value_norm: weight by ``‖v‖₂`` (True). epsilon: ``ε`` (0.01).
-        adaptive: head-adaptive budgets (True). floor_alpha: AdaKV floor (0.2).
+        adaptive: head-adaptive budgets (True). floor_alpha: the head floor ``α`` (0.2).
+        floor: ``"adakv"`` (AdaKV's ``n_h(1 − α) + α·B'``, the default) or ``"kvpress"`` (each head's
+            own top ``int(α·B)`` first, as kvpress's ``AdaKVPress``).
     """
 
     name: ClassVar[str] = "expected-attention"
@@ -106,6 +115,13 @@ class ExpectedAttention(Method):
     epsilon: float = 0.01
     adaptive: bool = True
     floor_alpha: float = 0.2
+    floor: str = "adakv"
+
+    #: the head floors ``floor`` names
+    FLOORS: ClassVar[dict[str, Callable[[torch.Tensor, int, int, float], torch.Tensor]]] = {
+        "adakv": adaptive_head_budgets,
+        "kvpress": safeguard_head_budgets,
+    }
 
     def validate(self) -> None:
         super().validate()
@@ -117,6 +133,10 @@ class ExpectedAttention(Method):
             raise MethodOptionError(f"{self.name}: epsilon must be ≥ 0, got {self.epsilon!r}")
         if not 0.0 <= self.floor_alpha <= 1.0:
             raise MethodOptionError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
+        if self.floor not in self.FLOORS:
+            raise MethodOptionError(
+                f"{self.name}: floor must be one of {', '.join(self.FLOORS)}, got {self.floor!r}"
+            )
 
     def prepare(self, model: PreTrainedModel) -> None:
         """Bind the model's RoPE frequencies (``rotary_emb.inv_freq`` of its decoder)."""
@@ -191,4 +211,5 @@ class ExpectedAttention(Method):
         if not self.adaptive:
             return super().head_budgets(scores, layer_budget, protected, valid)
         candidates = scores.float().masked_fill(protected | ~valid, float("-inf"))
-        return adaptive_head_budgets(candidates, layer_budget, int(protected[0].sum()), self.floor_alpha)
+        split = self.FLOORS[self.floor]
+        return split(candidates, layer_budget, int(protected[0].sum()), self.floor_alpha)

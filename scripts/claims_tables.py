@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/claims_tables.py [--update docs/claims.md] [--leaderboard results/leaderboard]
         [--baklava results/claims-baklava] [--asl-ttft results/claims-asl-ttft] [--dtype-check DIR]
-        [--agnostic results/leaderboard-agnostic]
+        [--agnostic results/leaderboard-agnostic] [--ea-floor results/ea-kvpress]
 
 Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
 those blocks in the file.
@@ -244,6 +244,11 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
         out[f"leaderboard-{ratio:g}-shared"] = leaderboard_table(rows, ratio, shared=True)
     out["leaderboard-kvpress"] = best_against_kvpress(rows, (0.875, 0.75, 0.5, 0.25))
     out["leaderboard-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS)
+    if has_results(args.ea_floor):  # kvbudget's Expected Attention with kvpress's head floor
+        floor_rows = [r for r in load_rows(args.ea_floor / "results.jsonl") if r.get("error") is None]
+        ours, floored = "expected-attention", "expected-attention:floor=kvpress"
+        floor_pairs = [(f"{PEER_PREFIX}expected_attention", floored), (floored, ours)]
+        out["leaderboard-ea-floor"] = pairs_table(rows + floor_rows, floor_pairs)
     newer = [("chunkkv", "snapkv"), ("chunkkv", "laq"), ("kvzip", "snapkv"), ("kvzip", "cake"),
              ("r-kv", "snapkv"), ("expected-attention", "snapkv"), ("keydiff", "streamingllm"),
              ("lagkv", "streamingllm"), ("qfilter", "streamingllm")]  # fmt: skip
@@ -456,6 +461,7 @@ def main() -> None:
     parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
     parser.add_argument("--dtype-check", type=Path, default=Path("results/dtype-check"))
     parser.add_argument("--agnostic", type=Path, default=Path("results/leaderboard-agnostic"))
+    parser.add_argument("--ea-floor", type=Path, default=Path("results/ea-kvpress"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard.md)",

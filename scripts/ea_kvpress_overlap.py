@@ -27,21 +27,19 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from leaderboard_run import machine_lock  # noqa: E402
-
-import kvbudget  # noqa: E402
-from kvbudget.bench.peer import runner_script  # noqa: E402
-from kvbudget.eval.peer_rows import eval_tasks_only, export_sample, peer_python  # noqa: E402
-from kvbudget.eval.runner import EvalConfig, Runner, ratio_budget  # noqa: E402
-from kvbudget.methods.registry import make_method  # noqa: E402
-from kvbudget.models import resolve_source  # noqa: E402
+import kvbudget
+from kvbudget.artifacts import file_lock
+from kvbudget.bench.peer import runner_script
+from kvbudget.eval.peer_rows import eval_tasks_only, export_sample, peer_python
+from kvbudget.eval.runner import EvalConfig, Runner, ratio_budget
+from kvbudget.methods.registry import make_method
+from kvbudget.models import resolve_source
 
 MODEL = "qwen2.5-coder-0.5b"
 #: pairing → (our options, kvpress's alpha_safeguard)
@@ -79,7 +77,8 @@ def main() -> None:
     python, versions = peer_python()
     tasks = args.tasks.split(",")
 
-    with machine_lock(os.environ.get("KVBUDGET_LOCK")):
+    lock = os.environ.get("KVBUDGET_LOCK")
+    with file_lock(Path(lock)) if lock else nullcontext():
         model, tokenizer = kvbudget.load_model(MODEL, dtype=args.dtype)
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import time
@@ -27,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import kvbudget
+from kvbudget.artifacts import file_lock
 from kvbudget.eval.peer_rows import run_peer_rows
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
@@ -39,12 +39,8 @@ def machine_lock(path: str | None) -> Iterator[None]:
     if not path:
         yield
         return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with file_lock(Path(path)):
+        yield
     time.sleep(1.0)  # lets a waiting job take the lock before the next sample
 
 

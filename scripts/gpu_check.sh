@@ -7,6 +7,7 @@
 #   END_S=400 BENCH_S=0 bash scripts/gpu_check.sh   # all within 400 s, no bench
 #   PROBE_S=0 SUITE_S=0 bash scripts/gpu_check.sh   # no probe, no suite
 # PROBE_S (default 240), BENCH_S (200) and SUITE_S (600) cap each step; END_S (560) caps them all.
+# PROBE_METHODS (default full,snapkv,lava,asl) lists the methods the probe times beside transformers.
 #
 # On a machine without network, put the wheels the GPU's Python lacks in .gpu/whl, a KVBUDGET_HOME
 # with the needle data in .gpu/home, and the model folder of scripts/random_model_dir.py in
@@ -46,7 +47,7 @@ cap() { local left=$(( END - ($(date +%s) - T0) )); if [ "$1" -lt "$left" ]; the
 s=$(cap "${PROBE_S:-240}")
 if [ "$s" -gt 30 ]; then
   timeout "$s" $PY scripts/gpu_probe.py "$MODEL" --out "$OUT/probe" --lengths 32768,131072 \
-    --methods full,snapkv,lava,asl --budget 1024 > "$OUT/probe.log" 2>&1
+    --methods "${PROBE_METHODS:-full,snapkv,lava,asl}" --budget 1024 > "$OUT/probe.log" 2>&1
   echo "probe rc=$? in ${s} s cap, at $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
 fi
 

@@ -18,6 +18,7 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 PY=${PY:-python3}
 if [ -d .gpu/whl ]; then
+  rm -rf /tmp/site  # a warm machine keeps the last call's packages
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("foundations", ["kvbudget.errors", "kvbudget.version", "kvbudget.units", "kvbudget.architectures"]),
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
     ("models and data", ["kvbudget.models", "kvbudget.data"]),
-    ("cache", ["kvbudget.cache"]),
+    ("cache", ["kvbudget.cache", "kvbudget.static_cache"]),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),
     ("observation", ["kvbudget.observation"]),
@@ -74,6 +74,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("prefill", ["kvbudget.prefill"]),
     ("prune stage", ["kvbudget.prune"]),
+    ("static decode", ["kvbudget.static_decode"]),
     ("engine and shared prefill", ["kvbudget.engine", "kvbudget.snapshot"]),
     ("transformers-native use", ["kvbudget.native"]),
     (

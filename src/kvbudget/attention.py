@@ -45,6 +45,7 @@ from kvbudget.architectures import SUPPORTED_MODEL_TYPES
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.masks import attention_mask_for, causal_visibility, window_visibility
+from kvbudget.static_cache import StaticBudgetCache
 
 ATTENTION_NAME = "kvbudget"
 
@@ -199,6 +200,47 @@ def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> tor
     return torch.cat(outputs, dim=1)
 
 
+def attend_static(
+    query: torch.Tensor,
+    cache: StaticBudgetCache,
+    layer_idx: int,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Exact attention of ``query: [b, q_heads, q, d]`` over a static layer, in one call.
+
+    Each KV head's query group is laid out as that head's queries (``[b, kv_heads, group · q, d]``),
+    so one SDPA call with a ``[b, kv_heads, group · q, capacity]`` length mask covers every
+    (row, head) at its own length, with no loop over heads and no host sync. Query ``t`` of the
+    ``q`` new tokens (already written by :meth:`StaticBudgetCache.update`) sees the slots before
+    ``length − q + 1 + t``; a sliding ``window`` also drops entries whose position is at most the
+    query's position − window. Returns ``[b, q_heads, q, d_v]``.
+    """
+    keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+    b, q_heads, q, d = query.shape
+    heads = keys.shape[1]
+    group = q_heads // heads
+    grouped = query.reshape(b, heads, group * q, d)
+    lengths = cache.lengths[layer_idx]  # [b, heads], the new tokens included
+    slots = cache._slots[layer_idx]  # [capacity]
+    if q == 1 and window is None:
+        mask = (slots < lengths[..., None])[:, :, None, :]  # [b, heads, 1, capacity]
+    else:
+        step = torch.arange(q, device=query.device)
+        ends = lengths[..., None] - q + 1 + step  # [b, heads, q]: slots before this are visible
+        mask = slots < ends[..., None]  # [b, heads, q, capacity]
+        if window is not None:
+            seen_at = (cache.seen[:, None, None] + step)[..., None]  # [b, 1, q, 1] query positions
+            mask = mask & (cache.positions[layer_idx][:, :, None, :] > seen_at - window)
+        mask = mask[:, :, None].expand(b, heads, group, q, slots.numel()).reshape(b, heads, group * q, -1)
+    if softcap is not None:
+        out = softcapped_attention(grouped, keys, values, mask, scaling, softcap)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(b, q_heads, q, -1)
+
+
 def _plain_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -255,6 +297,9 @@ def kvbudget_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     cache = kwargs.get("kvbudget_cache")
+    if isinstance(cache, StaticBudgetCache):
+        out = attend_static(query, cache, module.layer_idx, scale, window, softcap)
+        return out.transpose(1, 2).contiguous(), None
     if not isinstance(cache, BudgetCache):
         out = _plain_attention(query, key, value, attention_mask, scale, window, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -279,6 +324,8 @@ def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
     cache = kwargs.get("past_key_values")
     if isinstance(cache, BudgetCache):
         cache.attention_attached = True
+        kwargs["kvbudget_cache"] = cache
+    elif isinstance(cache, StaticBudgetCache):
         kwargs["kvbudget_cache"] = cache
     return args, kwargs
 

@@ -1,0 +1,103 @@
+"""Greedy decoding over a :class:`~kvbudget.static_cache.StaticBudgetCache`, optionally as a CUDA graph.
+
+A decode step is a manual forward built from the model's own modules (as the prune stage's, see
+:func:`kvbudget.prune.decoder_parts`): embed the current token → RoPE at each row's ``seen`` →
+every decoder layer (its attention writes into the static buffers and attends in one call per
+layer, :func:`kvbudget.attention.attend_static`) → norm → LM head → argmax written back into the
+input buffer. Every tensor it reads or writes lives at a fixed address and has a fixed shape, and
+nothing in it waits for the device, so on CUDA the step is captured once as a
+``torch.cuda.CUDAGraph`` and replayed: one launch per token instead of one per kernel (DESIGN.md
+§12). On the CPU (or with ``graph=False``) the same step runs eagerly.
+
+The decoder is greedy and reads no logits processors; methods that evict while decoding need their
+own decode policy and are not served by this path.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from kvbudget.attention import attach
+from kvbudget.prune import decoder_parts
+from kvbudget.static_cache import StaticBudgetCache
+
+
+class StaticDecoder:
+    """Greedy decode steps over ``cache`` for ``model``, starting from ``token: [batch]``.
+
+    ``graph``: capture the step as a CUDA graph (default: when the model is on CUDA). ``tokens``
+    after :meth:`run` holds every generated token ``[batch, steps]``.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, cache: StaticBudgetCache, token: torch.Tensor, graph: bool | None = None
+    ) -> None:
+        self.model, self.cache = model, cache
+        self.parts = decoder_parts(model)
+        device = self.parts.embed.weight.device
+        self.device = device
+        self.input = token.reshape(-1, 1).to(device=device, dtype=torch.long).clone()  # [b, 1]
+        self.logits: torch.Tensor | None = None
+        self.use_graph = device.type == "cuda" if graph is None else graph
+        self._graph: torch.cuda.CUDAGraph | None = None
+        attach(model)
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """One token for every row: writes the cache, ``self.logits [b, vocab]`` and the next input."""
+        parts, cache = self.parts, self.cache
+        hidden = parts.embed(self.input)
+        positions = cache.rope[:, None]
+        rotary = parts.rope(hidden, positions)
+        for index, layer in enumerate(parts.layers):
+            out = layer(
+                hidden, attention_mask=None, position_ids=positions, past_key_values=cache,
+                use_cache=True, position_embeddings=rotary[index],
+            )  # fmt: skip
+            hidden = out[0] if isinstance(out, tuple) else out
+        logits = parts.logits(hidden)[:, -1]
+        if self.logits is None:
+            self.logits = logits
+        else:
+            self.logits.copy_(logits)
+        self.input.copy_(logits.argmax(-1, keepdim=True))
+        cache.advance(1)
+
+    def _warm_up(self) -> None:
+        """The first step, eager on a side stream (the allocator, cuBLAS and attention kernels
+        settle before capture, as CUDA graphs require)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _capture(self) -> None:
+        """Record one step into a CUDA graph (recording runs nothing: :meth:`step` replays it)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self._graph = graph
+
+    def step(self) -> torch.Tensor:
+        """Decode one token for every row. Returns the input buffer ``[b, 1]``, which now holds each
+        row's next token (copy it to keep it: the next step overwrites it)."""
+        self.cache.reserve(1)
+        if not self.use_graph:
+            self._step()
+        elif self.logits is None:
+            self._warm_up()
+        else:
+            if self._graph is None:
+                self._capture()
+            self._graph.replay()
+        return self.input
+
+    def run(self, steps: int) -> torch.Tensor:
+        """``steps`` greedy tokens per row, ``[batch, steps]``: each step's token is copied into a
+        device buffer, read once at the end (one host sync for the whole run)."""
+        out = torch.empty((self.input.shape[0], steps), dtype=torch.long, device=self.device)
+        for i in range(steps):
+            out[:, i : i + 1].copy_(self.step())
+        return out

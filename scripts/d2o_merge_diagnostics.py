@@ -5,7 +5,7 @@ passage's perplexity is measured by the ``perplexity`` task's
 :func:`~kvbudget.eval.tasks.perplexity.chunked_perplexity`: the first ``--first-chunk`` tokens are
 prefilled and compressed to the budget, the rest read ``--chunk`` tokens at a time from the cache,
 trimmed back to the budget after every chunk). While a D2O variant merges, a
-:meth:`~kvbudget.methods.d2o.D2O.watch_merges` callback counts per layer: evicted entries, merged
+:attr:`~kvbudget.methods.d2o.D2ORun.merge_watcher` callback counts per layer: evicted entries, merged
 ones, the kind of kept entry each merge lands on (sink / heavy hitter / recent window), the
 relative change ``‖Δk‖/‖k‖`` (and ``‖k_after‖/‖k_before‖``, ``‖Δv‖/‖v‖``) of every kept entry a
 merge changes, and the best cosine similarities.
@@ -85,7 +85,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------ merge statistics
 class LayerMergeStats:
-    """Per-layer counters filled by :meth:`D2O.watch_merges` events."""
+    """Per-layer counters filled by the merge events of a run's :attr:`D2ORun.merge_watcher`."""
 
     FIELDS = ("evicted", "merged", "on_sink", "on_heavy", "on_recent", "touched", "dk_rel", "k_norm_ratio",
               "dv_rel", "best_sum", "best_merged_sum", "v_cos_merged_sum")  # fmt: skip
@@ -196,11 +196,16 @@ def run(args: argparse.Namespace) -> None:
         method = make_method(name, **options)
         merge_only(PARTS.get(label))
         stats = LayerMergeStats(layers)
-        if isinstance(method, D2O):
-            method.watch_merges(stats)
+        runs = []
+
+        def watch(run, stats=stats, runs=runs, method=method) -> None:
+            if isinstance(method, D2O):
+                run.merge_watcher = stats
+            runs.append(run)
+
         t0 = time.perf_counter()
         result = chunked_perplexity(
-            model, ids, method, args.budget, chunk=args.chunk, first_chunk=args.first_chunk
+            model, ids, method, args.budget, chunk=args.chunk, first_chunk=args.first_chunk, on_start=watch
         )
         seconds = time.perf_counter() - t0
         slowest = max(slowest, seconds)
@@ -209,7 +214,7 @@ def run(args: argparse.Namespace) -> None:
                "max_entries_per_head": result.max_entries_per_head, "seconds": round(seconds, 2),
                "kv_heads": kv_heads}  # fmt: skip
         if isinstance(method, D2O):
-            row["layer_budgets"] = method.layer_budgets(0)
+            row["layer_budgets"] = runs[-1].layer_budgets(0)
             row["layer_stats"] = stats.data
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")

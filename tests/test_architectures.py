@@ -249,8 +249,8 @@ def test_lookahead_pseudo_queries_are_the_models_queries(kind):
     model = tiny_arch(kind)
     ids = _ids(60, 2)
     method = make_method("laq", kernel=3, steps=3, lookahead_window=4, lookahead_method="full")
-    kvbudget.compress(model, ids, method=method, budget=24)
-    record = method.last_lookahead
+    cache = kvbudget.compress(model, ids, method=method, budget=24)
+    record = cache.session.run.lookahead
     assert record.tokens.shape == (1, 3) and record.positions[0].tolist() == [60, 61, 62]
     own = _own_queries(model, torch.cat([ids, record.tokens], dim=1))
     for i, expected in own.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.allocation import baklava_reallocate, kmeans_1d, squeeze_layer_weights
 from kvbudget.cli import app
 from kvbudget.errors import BudgetError, MethodOptionError, ProfileError
-from kvbudget.methods.profiled import bounded_budgets
+from kvbudget.methods.profiled import ProfiledRun, bounded_budgets
 from kvbudget.methods.registry import make_method
 from kvbudget.profiles import (
     Profile,
@@ -353,10 +354,30 @@ SIX_IMPORTANCE = [
 ]
 
 
-def _bound(name: str, profile: Profile, **options):
-    method = make_method(name, **options)
-    method.__dict__["_profile"] = profile
-    return method
+class _Bound:
+    """A profiled method and a run holding ``profile``: the method's calls that read the run's
+    profile take that run (``bound.cache_budgets(64, 400, 0.16)``)."""
+
+    TAKE_RUN = (
+        "cache_budgets",
+        "layer_shares",
+        "head_shares",
+        "resolved_p",
+        "resolved_tr",
+        "tuned",
+        "row_ratio",
+    )
+
+    def __init__(self, method, profile: Profile):
+        self.method, self.run = method, ProfiledRun(bound=profile)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.method, name)
+        return functools.partial(attr, self.run) if name in self.TAKE_RUN else attr
+
+
+def _bound(name: str, profile: Profile, **options) -> _Bound:
+    return _Bound(make_method(name, **options), profile)
 
 
 def test_baklava_moves_memory_only_inside_each_layer():
@@ -425,30 +446,29 @@ def test_baklava_with_one_kv_head_per_layer_is_the_layer_split():
     assert method.cache_budgets(40, 500, 0.08).flatten().tolist() == [70, 10, 10, 70, 70, 10]
 
 
-def test_pin_ratio_fixes_the_ratio_and_refuses_bad_values():
+def test_pin_fixes_the_ratio_and_refuses_bad_values():
     method = _bound("baklava", _six_layer_profile(4, SIX_IMPORTANCE))
     assert method.row_ratio(0, 24, 40) == 0.6
-    assert method.pin_ratio(0.25) is None
+    assert method.run.pin(0.25) is None
     assert method.row_ratio(1, 24, 40) == 0.25 and method.row_ratio(0, 24, 40) == 0.25
-    assert method.pin_ratio(None) == 0.25
+    assert method.run.pin(None) == 0.25
     for bad in (0, 0.0, -0.5, 1.5, float("nan"), "0.3", True):
         with pytest.raises(BudgetError, match=r"pinned compression ratio must be in \(0, 1\], got") as err:
-            method.pin_ratio(bad)
+            method.run.pin(bad)
         assert "\n" not in str(err.value)
 
 
 def test_default_profile_is_built_on_the_fly_and_a_saved_default_wins(tmp_path):
     model = tiny_model()
     method = make_method("baklava")
-    method.prepare(model)
-    assert method.bound_profile is builtin_profile(model)
-    assert [p["name"] for p in method.bound_profile.prompts] == ["builtin-text-folded", "builtin-code-folded"]
+    run = method.start(model)
+    assert run.profile is builtin_profile(model)
+    assert [p["name"] for p in run.profile.prompts] == ["builtin-text-folded", "builtin-code-folded"]
     from kvbudget.profiles import default_profile_path
 
     saved = _profile(model)
     save_profile(saved, default_profile_path(model))
-    method.prepare(model)
-    assert method.bound_profile.prompts == saved.prompts
+    assert method.start(model).profile.prompts == saved.prompts
 
 
 def test_tuned_parameters_are_used_when_no_option_is_given(tmp_path):
@@ -459,20 +479,18 @@ def test_tuned_parameters_are_used_when_no_option_is_given(tmp_path):
     }
     path = save_profile(profile, tmp_path / "p.json")
     method = make_method("baklava", profile=str(path))
-    method.prepare(model)
-    assert method.resolved_tr(0.25) == (0.5, 0.9)
-    assert method.resolved_tr(0.5) == (0.01, 0.1)
+    run = method.start(model)
+    assert method.resolved_tr(run, 0.25) == (0.5, 0.9)
+    assert method.resolved_tr(run, 0.5) == (0.01, 0.1)
     snap = make_method("baklava-snapkv", profile=str(path))
-    snap.prepare(model)
-    assert snap.resolved_tr(0.1) == (0.5, 0.9)  # falls back to baklava's search
-    assert method.resolved_p(0.25) == 0.3  # nothing tuned for p: the default
+    assert snap.resolved_tr(snap.start(model), 0.1) == (0.5, 0.9)  # falls back to baklava's search
+    assert method.resolved_p(run, 0.25) == 0.3  # nothing tuned for p: the default
     profile.tuned["squeezeattention"] = {"0.3": {"best": {"p": 0.8}}}
     save_profile(profile, path)
-    method.prepare(model)
-    assert method.resolved_p(0.25) == 0.8  # BaKlaVa's layer split uses SqueezeAttention's tuned p
+    run = method.start(model)
+    assert method.resolved_p(run, 0.25) == 0.8  # BaKlaVa's layer split uses SqueezeAttention's tuned p
     explicit = make_method("baklava", profile=str(path), t=0.3, r=0.2)
-    explicit.prepare(model)
-    assert explicit.resolved_tr(0.25) == (0.3, 0.2)
+    assert explicit.resolved_tr(explicit.start(model), 0.25) == (0.3, 0.2)
 
 
 def test_tune_finds_the_grid_minimum_and_resumes(tmp_path, monkeypatch):
@@ -553,12 +571,12 @@ def test_baklava_snapkv_keeps_snapkv_choice_at_each_caches_own_budget():
         return out
 
     method = make_method("baklava-snapkv", window=4, kernel=3, t=0.2, r=0.75, p=0.5)
-    method.__dict__["_profile"] = _hand_profile(4, 2)
-    budgets = method.cache_budgets(10, 40, 0.25)
+    run = ProfiledRun(bound=_hand_profile(4, 2))
+    budgets = method.cache_budgets(run, 10, 40, 0.25)
     assert int(budgets.sum()) == 80 and len(set(budgets.flatten().tolist())) > 2
     for layer_idx in range(4):
         mine = layer()
-        method.compress_layer(Observation(layer_idx, 4, q, mine, 8**-0.5), [10])
+        method.compress_layer(Observation(layer_idx, 4, q, mine, 8**-0.5, run=run), [10])
         for h in range(2):
             b = int(budgets[layer_idx, h])
             ref_layer = layer()

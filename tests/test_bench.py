@@ -302,3 +302,22 @@ def test_random_model_dir_writes_a_config_and_a_tokenizer(tmp_path: Path) -> Non
     ):
         failed = run(str(tmp_path / "other"), *bad)
         assert failed.returncode == 2 and message in failed.stderr and failed.stderr.count("\n") == 1
+
+
+def test_worker_decodes_statically_when_asked_and_keys_it_apart(tmp_path: Path) -> None:
+    """``decode="static"``: the row says which path ran (eager, with the reason, for a method that
+    evicts while decoding); eager rows keep the keys they had before the option existed."""
+    source = str(_config_only_model(tmp_path))
+    base = dict(model=source, length=256, budget=64, new_tokens=3, random_weights=True, decode="static")
+    row = run_worker(MeasureSpec(method="snapkv", **base), threads=1)
+    assert "error" not in row, row.get("error")
+    assert row["decode_path"] == "static" and row["decode_steps"] == 2
+    h2o = run_worker(MeasureSpec(method="h2o", **base), threads=1)
+    assert h2o["decode_path"] == "eager" and "evicts while decoding" in h2o["static_refusal"]
+    static = MeasureSpec(decode="static")
+    assert run_key(static) != run_key(MeasureSpec())
+    assert run_key(MeasureSpec()) == run_key(
+        {k: v for k, v in asdict(MeasureSpec()).items() if k != "decode"}
+    )
+    with pytest.raises(KVBudgetError, match="decode must be eager or static"):
+        BenchConfig(decode="graph").validate()

@@ -286,28 +286,29 @@ def test_authors_checkpoint_names_only_their_models(name, checkpoint):
 def test_authors_taus_by_model_and_budget():
     for checkpoint, table in MODEL2TAU.items():
         cake = make_method("cake", authors_tau=True)
-        cake.prepare(named_model(f"org/{checkpoint}"))
-        assert cake.taus(128) == table[128] and cake.taus(1024) == table[1024], checkpoint
-        assert cake.taus(256) == (1.0, 1.0) and cake.taus(127) == (1.0, 1.0)  # budgets they did not tune
+        run = cake.start(named_model(f"org/{checkpoint}"))
+        assert cake.taus(run, 128) == table[128] and cake.taus(run, 1024) == table[1024], checkpoint
+        # budgets they did not tune
+        assert cake.taus(run, 256) == (1.0, 1.0) and cake.taus(run, 127) == (1.0, 1.0)
     unlisted = make_method("cake", authors_tau=True)
-    unlisted.prepare(named_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
-    assert unlisted.taus(128) == (1.0, 1.0) and unlisted.taus(1024) == (1.0, 1.0)
+    run = unlisted.start(named_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    assert unlisted.taus(run, 128) == (1.0, 1.0) and unlisted.taus(run, 1024) == (1.0, 1.0)
     own = make_method("cake", authors_tau=True, tau1=0.5, tau2=2.0)  # elsewhere the options stay
-    own.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
-    assert own.taus(128) == (0.4, 0.6) and own.taus(512) == (0.5, 2.0)
+    run = own.start(named_model("Qwen/Qwen2.5-7B-Instruct"))
+    assert own.taus(run, 128) == (0.4, 0.6) and own.taus(run, 512) == (0.5, 2.0)
     plain = make_method("cake", tau1=0.5, tau2=2.0)  # without authors_tau the table is not used
-    plain.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
-    assert plain.taus(128) == (0.5, 2.0)
+    assert plain.taus(plain.start(named_model("Qwen/Qwen2.5-7B-Instruct")), 128) == (0.5, 2.0)
 
 
-def test_authors_tau_without_prepare_is_a_clear_error():
+def test_authors_tau_without_a_model_is_a_clear_error():
     cake = make_method("cake", authors_tau=True, window=W)
     with pytest.raises(UnknownMethodError) as info:
-        cake.taus(128)
-    assert "prepare" in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(UnknownMethodError, match="prepare"):  # also when it compresses
+        cake.taus(cake.start(), 128)
+    assert "method.start(model)" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(UnknownMethodError, match=r"start\(model\)"):  # also when it compresses
         run_method(make_method("cake", authors_tau=True, window=W), make_long_inputs(0, 40), 20)
-    assert make_method("cake").taus(128) == (1.0, 1.0)  # no table needed without authors_tau
+    plain = make_method("cake")
+    assert plain.taus(plain.start(), 128) == (1.0, 1.0)  # no table needed without authors_tau
 
 
 def make_long_inputs(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -322,9 +323,10 @@ def make_long_inputs(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-def run_method(method, inputs, budget: int) -> list[list[list[int]]]:
-    """Prefill layer by layer through a session; per step, every layer's head lengths."""
-    session = CompressionSession(method, LAYERS, budget=budget)
+def run_method(method, inputs, budget: int, model=None) -> list[list[list[int]]]:
+    """Prefill layer by layer through a session (its run started with ``model``, if any); per step,
+    every layer's head lengths."""
+    session = CompressionSession(method, LAYERS, budget=budget, model=model)
     layers: list[BudgetLayer] = []
     steps = []
     for layer_idx, (q, k, v) in enumerate(inputs):
@@ -358,8 +360,7 @@ def test_cake_with_authors_tau_uses_their_preference():
     n, budget = 200, 128
     inputs = make_long_inputs(1, n)
     cake = make_method("cake", authors_tau=True, window=W)
-    cake.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
-    steps = run_method(cake, inputs, budget)
+    steps = run_method(cake, inputs, budget, model=named_model("Qwen/Qwen2.5-7B-Instruct"))
     total, capacity = (budget - W) * LAYERS, n - W
     theirs = ref_cascade([ref_preference(x, 0.4, 0.6) for x in inputs], total, capacity)
     ours = ref_cascade([ref_preference(x, 1.0, 1.0) for x in inputs], total, capacity)
@@ -368,8 +369,7 @@ def test_cake_with_authors_tau_uses_their_preference():
     assert theirs[-1] != ours[-1]  # discriminating: the temperatures change the layer budgets
     # at a budget they did not tune, τ = (1, 1)
     cake = make_method("cake", authors_tau=True, window=W)
-    cake.prepare(named_model("Qwen/Qwen2.5-7B-Instruct"))
-    steps = run_method(cake, inputs, 100)
+    steps = run_method(cake, inputs, 100, model=named_model("Qwen/Qwen2.5-7B-Instruct"))
     plain = ref_cascade([ref_preference(x, 1.0, 1.0) for x in inputs], (100 - W) * LAYERS, capacity)
     assert steps[-1] == [[b + W] * H for b in plain[-1]]
 

@@ -69,29 +69,30 @@ def run(method, model, prompts, budget, name: str, generic: bool, slack: float =
     generic path does). After each step, every held layer's candidates must be within ``slack``
     times its current budget.
     """
+    # these three on this instance only (a frozen configuration): the generic path, the slack, a spy
     if generic:
-        method.selection_order = lambda: None  # this instance only: the generic path
-    method.reevict_slack = slack
+        object.__setattr__(method, "selection_order", lambda: None)
+    object.__setattr__(method, "reevict_slack", slack)
     steps: list[list] = []
     stored_dtypes: set[torch.dtype] = set()
     rebalance = method.rebalance
 
-    def spy(layers, targets):
+    def spy(layers, targets, run):
         for layer in layers[:-1]:
             stored = layer.state.get(method.state_name)
             if stored is not None:
                 stored_dtypes.add((stored[0] if isinstance(stored, list) else stored).dtype)
-        rebalance(layers, targets)
+        rebalance(layers, targets, run)
         steps.append([stored_positions(layer) for layer in layers])
         for i, layer in enumerate(layers if method.cascading else []):
             per_head = layer.head_lengths()
-            for r, rp in enumerate(method.plan.rows):
+            for r, rp in enumerate(run.plan.rows):
                 if rp is not None and i in rp.budgets:
                     candidates = per_head[r] - rp.protected
                     held = candidates.sum() if name == "lava" else candidates.max()  # the budget's unit
                     assert held <= slack * rp.budgets[i]
 
-    method.rebalance = spy
+    object.__setattr__(method, "rebalance", spy)
     session = CompressionSession(method, LAYERS, budget=budget)
     cache, _, _, _ = prefill(model, prompts, session, pad_id=0)
     final = [stored_positions(layer) for layer in cache.layers]

@@ -22,35 +22,26 @@ from conftest import seeded, tiny_model
 from kvbudget.cli import app
 from kvbudget.errors import KVBudgetError, MethodOptionError, UnknownMethodError
 from kvbudget.methods.combinations import COMBINATIONS
-from kvbudget.methods.registry import REGISTRY, make_method, method_names
+from kvbudget.methods.registry import METHOD_CLASSES, REGISTRY, make_method, method_names
 
 LENGTH, BUDGET, LAYERS, HEADS = 120, 24, 4, 2
 
-#: every named combination, spelled out here (not read from the library's table)
-SPELLED_OUT = {
-    "pyramidkv": ("snapkv", {"layer_alloc": "pyramid"}),
-    "ada-snapkv": ("snapkv", {"head_alloc": "ada", "reduce_rows": "mean"}),
-    "ada-pyramidkv": ("snapkv", {"layer_alloc": "pyramid", "head_alloc": "ada", "reduce_rows": "mean"}),
-    "lava-uniform": ("lava", {"layer_alloc": "uniform"}),
-    "lava-nohead": ("lava", {"head_alloc": "uniform"}),
-    "lava-pyramid": ("lava", {"layer_alloc": "pyramid"}),
-    "d2o-uniform": ("d2o", {"dynamic_layers": False}),
-    "d2o-nomerge": ("d2o", {"merge": False}),
-    "laq++": ("laq", {"window": 8}),
-    "laq-ada": ("laq", {"window": 8, "head_alloc": "ada", "reduce_rows": "mean"}),
-}
+#: every named combination: its base and the options it sets (the registry's entries)
+COMBINED = {name: (c.base, dict(c.options)) for name, c in COMBINATIONS.items()}
 
-#: small options for the tiny prompts (window + sinks below the budget), per base method
-SMALL = {
-    "snapkv": {"window": 4, "kernel": 3},
-    "knorm": {},
-    "random": {"window": 2},
-    "vatp": {"window": 4, "sinks": 2},
-    "laq": {"kernel": 3, "steps": 3, "lookahead_window": 4},  # laq's window 0; laq++'s 8
-    "lava": {"window": 4, "kernel": 3},
-    "d2o": {},
-    "observed-attention": {},  # window 0, no sinks
-}
+
+def small_options(base: str) -> dict:
+    """Options for the tiny prompts (window + sinks below the budget): the base class's own."""
+    return dict(METHOD_CLASSES[base].small_options)
+
+
+#: the scorers on the generic per-layer path whose allocators are options: every class that takes
+#: PyramidKV's and AdaKV's allocators (LAVa's own are tested in test_lava_takes_its_allocators_as_options)
+GRID_SCORERS = [
+    name
+    for name, cls in METHOD_CLASSES.items()
+    if {"uniform", "pyramid"} <= set(cls.layer_allocators) and {"uniform", "ada"} <= set(cls.head_allocators)
+]
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +119,7 @@ def recording(method):
         seen[obs.layer_idx] = (scores[0].float().cpu().numpy(), valid)
         return scores
 
-    method.score = wrapped  # this object only
+    object.__setattr__(method, "score", wrapped)  # this object only (a frozen configuration)
     return seen
 
 
@@ -137,15 +128,18 @@ def protected_count(method) -> int:
 
 
 # ------------------------------------------------------------------------------ named combinations
-def test_the_named_combinations_are_the_ones_spelled_out_here():
-    assert set(COMBINATIONS) == set(SPELLED_OUT)
-    assert set(SPELLED_OUT) <= set(method_names())
+def test_every_named_combination_is_registered_and_sets_options_of_its_base():
+    assert set(COMBINED) <= set(method_names())
+    for name, (base, options) in COMBINED.items():
+        defaults = METHOD_CLASSES[base]().options()
+        assert options and set(options) <= set(make_method(base, **options).options()), name
+        assert any(defaults.get(k) != v for k, v in options.items()), f"{name} sets only {base}'s defaults"
 
 
-@pytest.mark.parametrize("name", sorted(SPELLED_OUT))
+@pytest.mark.parametrize("name", sorted(COMBINED))
 def test_a_combination_keeps_what_its_base_with_the_options_keeps(name, model):
-    base, options = SPELLED_OUT[name]
-    small = SMALL[base]
+    base, options = COMBINED[name]
+    small = small_options(base)
     named = make_method(name, **small)
     spelled = make_method(base, **{**options, **small})
     assert named.name == name and spelled.name == base
@@ -175,9 +169,9 @@ def test_explicit_options_and_presets_apply_over_a_combination():
 # ------------------------------------------------------------------------------ the grid
 @pytest.mark.parametrize("head_alloc", ["uniform", "ada"])
 @pytest.mark.parametrize("layer_alloc", ["uniform", "pyramid"])
-@pytest.mark.parametrize("scorer", ["snapkv", "knorm", "random", "vatp", "laq", "observed-attention"])
+@pytest.mark.parametrize("scorer", GRID_SCORERS)
 def test_every_scorer_takes_every_allocator(scorer, layer_alloc, head_alloc, model):
-    method = make_method(scorer, layer_alloc=layer_alloc, head_alloc=head_alloc, **SMALL[scorer])
+    method = make_method(scorer, layer_alloc=layer_alloc, head_alloc=head_alloc, **small_options(scorer))
     seen = recording(method)
     cache = kvbudget.compress(model, prompt(3), method=method, budget=BUDGET)
     lengths = head_lengths(cache)
@@ -225,7 +219,7 @@ def test_ada_reference_rounds_the_floored_shares_exactly():
 @pytest.mark.parametrize("head_alloc", ["flat", "uniform"])
 @pytest.mark.parametrize("layer_alloc", ["entropy", "uniform", "pyramid"])
 def test_lava_takes_its_allocators_as_options(layer_alloc, head_alloc, model):
-    method = make_method("lava", layer_alloc=layer_alloc, head_alloc=head_alloc, **SMALL["lava"])
+    method = make_method("lava", layer_alloc=layer_alloc, head_alloc=head_alloc, **small_options("lava"))
     assert method.cascading == (layer_alloc == "entropy")
     cache = kvbudget.compress(model, prompt(4), method=method, budget=BUDGET)
     lengths = head_lengths(cache)
@@ -250,13 +244,19 @@ def refusing_names() -> list[str]:
 
 
 def test_the_refusing_methods_are_the_expected_families():
+    """A method takes the allocator options exactly when its budgets are not its own: a refusing
+    method is a prune- or decode-stage one, or says why in ``fixed_allocation``."""
     takes = {name for name in method_names() if REGISTRY[name].layer_allocators}
-    assert takes == {
-        "random", "knorm", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "vatp", "lava",
-        "lava-uniform", "lava-nohead", "lava-pyramid", "laq", "laq++", "laq-ada", "laq-lava",
-        "observed-attention",
-    }  # fmt: skip
+    for name in method_names():
+        cls = REGISTRY[name]
+        own_budgets = bool(cls.fixed_allocation) or bool({"prune", "decode"} & set(cls.stages))
+        assert (name in takes) != own_budgets, (name, cls.stages, cls.fixed_allocation)
+        assert bool(cls.layer_allocators) == bool(cls.head_allocators), name
+    assert {"random", "knorm", "snapkv", "pyramidkv", "ada-pyramidkv", "vatp", "lava", "lava-pyramid", "laq",
+            "laq-ada", "laq-lava", "observed-attention"} <= takes  # fmt: skip
     assert {"h2o", "fastkv", "d2o", "cake", "baklava", "streamingllm"} <= set(refusing_names())
+    assert {"snapkv", "knorm", "random", "vatp", "laq", "observed-attention"} <= set(GRID_SCORERS)
+    assert "lava" not in GRID_SCORERS  # LAVa's allocators are its own values
 
 
 @pytest.mark.parametrize("name", refusing_names())

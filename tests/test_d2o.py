@@ -212,15 +212,18 @@ def test_attention_variance_minmax_and_raw():
 
 
 # ------------------------------------------------------------------------------ eviction + merging
-def d2o_prefill(method, fixtures, budget):
-    """Record every layer as the session does, then compress all of them."""
+def d2o_prefill(method, fixtures, budget, watcher=None):
+    """Record every layer as the session does, then compress all of them; returns the layers and
+    the run's state (its layer budgets and merge thresholds). ``watcher``: the run's merge watcher."""
+    run = method.start()
+    run.merge_watcher = watcher
     layers = []
     for i, (k, v, q) in enumerate(fixtures):
         layer = layer_of(k, v)
-        method.record(Observation(i, len(fixtures), q, layer, SCALE), [budget])
+        method.record(Observation(i, len(fixtures), q, layer, SCALE, run=run), [budget])
         layers.append(layer)
-    method.post_prefill(layers, [budget])
-    return layers
+    method.post_prefill(layers, [budget], run)
+    return layers, run
 
 
 @pytest.mark.parametrize("name", ["d2o", "d2o-nomerge", "d2o-uniform"])
@@ -228,7 +231,7 @@ def test_d2o_prefill_and_decode_match_the_reference(name):
     fixtures = [fixture(s) for s in (11, 12, 13)]
     method = make_method(name)
     budget = 12
-    layers = d2o_prefill(method, fixtures, budget)
+    layers, run = d2o_prefill(method, fixtures, budget)
     # layer budgets: softmax of −σ (min-max normalised head variances of the column sums) · 3 · budget
     sums = [prompt_column_sums(q[0].double().numpy(), k[0].double().numpy()) for k, v, q in fixtures]
     sigma = []
@@ -237,7 +240,7 @@ def test_d2o_prefill_and_decode_match_the_reference(name):
         sigma.append(np.mean([(x - min(f)) / (max(f) - min(f)) for x in f]))
     weights = np.exp(-np.array(sigma))
     shares = weights / weights.sum() * 3 * budget
-    planned = method.layer_budgets(0)
+    planned = run.layer_budgets(0)
     if name == "d2o-uniform":
         assert planned == [budget] * 3
     else:
@@ -278,9 +281,9 @@ def test_d2o_prefill_and_decode_match_the_reference(name):
     before_v = [layer.head(h)[1][0].double().numpy() for h in range(H)]
     before_s = layer.state["d2o_attention"][0].double().numpy()
     before_p = [layer.head(h)[2][0].tolist() for h in range(H)]
-    taus = dict(method._run["tau"].get(0, {}))
+    taus = dict(run.tau.get(0, {}))
     layer.update(k1, v1)
-    method.decode_step(Observation(0, 3, q1, layer, SCALE), [budget])
+    method.decode_step(Observation(0, 3, q1, layer, SCALE, run=run), [budget])
     size = planned[0]
     recent = (size - 4) - int(0.75 * (size - 4))
     for h in range(H):
@@ -297,7 +300,7 @@ def test_d2o_prefill_and_decode_match_the_reference(name):
         if name != "d2o-nomerge":
             want_k, want_v, tau = merge_reference(want_k, want_v, keys[[out]], values[[out]],
                                                   float(taus[0][h]), beta)  # fmt: skip
-            assert float(method._run["tau"][0][0][h]) == pytest.approx(tau, abs=1e-6)
+            assert float(run.tau[0][0][h]) == pytest.approx(tau, abs=1e-6)
         np.testing.assert_allclose(layer.head(h)[0][0].double().numpy(), want_k, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(layer.head(h)[1][0].double().numpy(), want_v, rtol=1e-5, atol=1e-6)
         state = layer.state["d2o_attention"][0, h].double().numpy()
@@ -402,7 +405,7 @@ def test_d2o_holds_every_layer_at_its_budget_while_decoding_on_the_real_model(re
     ids = torch.tensor([list(austen_ids(tokenizer)[1000:1400])])
     method = make_method("d2o")
     cache = kvbudget.compress(model, ids, method=method, ratio=0.2)
-    planned = method.layer_budgets(0)
+    planned = cache.session.run.layer_budgets(0)
     layers = model.config.num_hidden_layers
     assert len(planned) == layers and sum(planned) == layers * 80 and len(set(planned)) > 1
     size = cache.physical_bytes()
@@ -444,28 +447,29 @@ def test_one_eviction_fast_path_equals_the_general_eviction(name: str, tied: boo
     if tied:
         scores = (scores * 3).floor()  # many equal scores among the candidates
     fast_method, general_method = make_method(name), make_method(name)
-    for method in (fast_method, general_method):  # a τ from an earlier eviction
-        method._run["tau"][0] = {0: torch.full((H,), 0.1)}
+    fast_run, general_run = fast_method.start(), general_method.start()
+    for run in (fast_run, general_run):  # a τ from an earlier eviction
+        run.tau[0] = {0: torch.full((H,), 0.1)}
     fast = _layer_over_by_one(limit, scores.clone(), seed=2)
     general = _layer_over_by_one(limit, scores.clone(), seed=2)
     for _ in range(3):
-        assert fast_method._evict_one(fast, 0, [limit])
-        general_method.evict(general, 0, [limit])
+        assert fast_method._evict_one(fast_run, fast, 0, [limit])
+        general_method.evict(general_run, general, 0, [limit])
         assert torch.equal(fast.positions, general.positions)
         assert torch.equal(fast.keys, general.keys) and torch.equal(fast.values, general.values)
         assert torch.equal(fast.state["d2o_attention"], general.state["d2o_attention"])
         if name == "d2o":
-            assert torch.equal(fast_method._run["tau"][0][0], general_method._run["tau"][0][0])
+            assert torch.equal(fast_run.tau[0][0], general_run.tau[0][0])
         k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
         new_score = torch.rand(1, H, 1, generator=g).floor() if tied else torch.rand(1, H, 1, generator=g)
         for layer in (fast, general):
             layer.update(k, v)
             layer.state["d2o_attention"] = torch.cat([layer.state["d2o_attention"][..., :-1], new_score], -1)
     # the fast path declines what it does not cover: two entries over, or an invalid entry
-    assert not fast_method._evict_one(fast, 0, [limit - 1])
+    assert not fast_method._evict_one(fast_run, fast, 0, [limit - 1])
     fast.positions = fast.positions.clone()
     fast.positions[0, 0, 3] = -1
-    assert not fast_method._evict_one(fast, 0, [limit])
+    assert not fast_method._evict_one(fast_run, fast, 0, [limit])
 
 
 def test_decoding_with_the_fast_path_equals_decoding_without_it(llama, chat_tokenizer, monkeypatch):
@@ -631,7 +635,7 @@ def test_fixed_threshold_merges_exactly_the_entries_at_least_that_similar():
     assert 0 < int(out.merged.sum()) < out.merged.numel()
 
 
-def _decode_steps(method, layers, budget, steps, seed=5):
+def _decode_steps(method, run, layers, budget, steps, seed=5):
     """``steps`` decode steps on layer 0 with random new entries; returns every key seen by position
     and head: ``{(h, position): key}``."""
     g = seeded(seed)
@@ -642,7 +646,7 @@ def _decode_steps(method, layers, budget, steps, seed=5):
         for h in range(H):
             added[(h, N + step)] = k1[0, h, 0]
         layers[0].update(k1, v1)
-        method.decode_step(Observation(0, 3, q1, layers[0], SCALE), [budget])
+        method.decode_step(Observation(0, 3, q1, layers[0], SCALE, run=run), [budget])
     return added
 
 
@@ -653,10 +657,9 @@ def test_heavy_targets_leave_sinks_and_recent_window_exact_and_match_the_referen
     budget = 12
     events = {"heavy": [], "all": []}
     heavy, every = make_method("d2o", merge_targets="heavy"), make_method("d2o")
-    heavy.watch_merges(events["heavy"].append)
-    every.watch_merges(events["all"].append)
-    layers, layers_all = d2o_prefill(heavy, fixtures, budget), d2o_prefill(every, fixtures, budget)
-    planned = heavy.layer_budgets(0)
+    layers, heavy_run = d2o_prefill(heavy, fixtures, budget, watcher=events["heavy"].append)
+    layers_all, every_run = d2o_prefill(every, fixtures, budget, watcher=events["all"].append)
+    planned = heavy_run.layer_budgets(0)
     for li, ((k, v, _q), layer) in enumerate(zip(fixtures, layers, strict=True)):
         size = planned[li]
         recent = (size - 4) - int(0.75 * (size - 4))
@@ -677,8 +680,8 @@ def test_heavy_targets_leave_sinks_and_recent_window_exact_and_match_the_referen
             assert torch.equal(v_h[0, protected], v[0, h, [kept[j] for j in protected]])
             assert not torch.equal(k_h[0], k[0, h, kept])  # some heavy hitter received a merge
     # decode: the sinks and the recent window still hold their original keys, bit for bit
-    added = _decode_steps(heavy, layers, budget, steps=6)
-    _decode_steps(every, layers_all, budget, steps=6)
+    added = _decode_steps(heavy, heavy_run, layers, budget, steps=6)
+    _decode_steps(every, every_run, layers_all, budget, steps=6)
     size = planned[0]
     recent = (size - 4) - int(0.75 * (size - 4))
     for h in range(H):
@@ -722,10 +725,10 @@ def test_fixed_threshold_above_one_keeps_exactly_what_no_merge_keeps():
     budget = 12
     never, nomerge, d2o = (make_method("d2o", fixed_threshold=1.5), make_method("d2o-nomerge"),
                            make_method("d2o"))  # fmt: skip
-    runs = [d2o_prefill(m, fixtures, budget) for m in (never, nomerge, d2o)]
-    for method, layers in zip((never, nomerge, d2o), runs, strict=True):
-        _decode_steps(method, layers, budget, steps=4)
-    for a, b, c in zip(*runs, strict=True):
+    prefilled = [d2o_prefill(m, fixtures, budget) for m in (never, nomerge, d2o)]
+    for method, (layers, run) in zip((never, nomerge, d2o), prefilled, strict=True):
+        _decode_steps(method, run, layers, budget, steps=4)
+    for a, b, c in zip(*(layers for layers, _ in prefilled), strict=True):
         assert torch.equal(a.positions, b.positions)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.state["d2o_attention"], b.state["d2o_attention"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,13 @@ from kvbudget.cli import app
 from kvbudget.errors import (
     BudgetError,
     InputError,
+    KVBudgetError,
     MethodOptionError,
+    MissingExtraError,
     UnknownMethodError,
     UnsupportedModelError,
 )
+from kvbudget.extras import needs_extra
 
 CONTEXT = "A long enough context about foxes and dogs. " * 4
 
@@ -196,3 +200,60 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(llama, chat_tokenizer):
     assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
     assert any(run(temperature=5.0, seed=s) != greedy for s in range(3))
     assert run(temperature=1.0, top_p=1e-6, seed=1) == greedy  # only the top token survives
+
+
+#: The evaluation extra's packages that `pip install kvbudget` leaves out (numpy and tqdm come with
+#: transformers), blocked so that `import` fails and `find_spec` finds nothing.
+EVAL_ONLY = ("matplotlib", "rapidfuzz", "rdata", "rouge_score")
+
+
+@pytest.mark.parametrize(
+    ("args", "command"),
+    [
+        (["eval", "--tasks", "needle"], "kvbudget eval"),
+        (["report", "."], "kvbudget report"),
+        (["pack", "."], "kvbudget pack"),
+        (["tune", "--ratio", "0.3"], "kvbudget tune"),
+        (["demo"], "kvbudget demo"),
+        (["bench", "--methods", "full"], "kvbudget bench"),
+        (["bench", "peer"], "kvbudget bench peer"),
+        (["bench", "throughput"], "kvbudget bench throughput"),
+        (["profile"], "profile prompt 'austen:2048' (the Austen novels, read with rdata)"),
+    ],
+)
+def test_cli_without_the_eval_extra_names_it_in_one_line(args, command, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # nothing written where the test runs
+    for name in EVAL_ONLY:
+        monkeypatch.setitem(sys.modules, name, None)
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    hint = f"error: {command} needs the evaluation extra: pip install 'kvbudget[eval]' (missing: "
+    assert len(lines) == 1 and lines[0].startswith(hint), result.stderr
+    assert "Traceback" not in result.output and not any(tmp_path.iterdir())
+
+
+def test_cli_core_commands_need_no_extra(monkeypatch):
+    for name in EVAL_ONLY:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert _run("methods").exit_code == 0
+
+
+def test_needs_extra_turns_only_the_extras_import_errors_into_the_hint():
+    with pytest.raises(MissingExtraError) as info:
+        with needs_extra("eval", "reading R data"):
+            raise ModuleNotFoundError("No module named 'rdata.parser'", name="rdata.parser")
+    assert (
+        str(info.value)
+        == "reading R data needs the evaluation extra: pip install 'kvbudget[eval]' (missing: rdata)"
+    )
+    assert isinstance(info.value, ImportError) and isinstance(info.value, KVBudgetError)
+    # a module no extra provides, or a broken install of an extra's package: passed through unchanged
+    with pytest.raises(ModuleNotFoundError) as info:
+        with needs_extra("eval", "x"):
+            import kvbudget_no_such_module  # noqa: F401
+    assert not isinstance(info.value, MissingExtraError) and info.value.name == "kvbudget_no_such_module"
+    with pytest.raises(ModuleNotFoundError, match="PIL") as info:
+        with needs_extra("eval", "x"):
+            raise ModuleNotFoundError("No module named 'PIL'", name="PIL")  # matplotlib's own dependency
+    assert not isinstance(info.value, MissingExtraError)

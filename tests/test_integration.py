@@ -9,12 +9,9 @@ import kvbudget
 from kvbudget.engine import build_prompt
 from kvbudget.eval.tasks.needle import needle_sample
 from kvbudget.methods.registry import make_method
-from method_matrix import ALL_METHODS, DECODE_METHODS
+from method_matrix import ALL_METHODS, BEYOND_BUDGET, DECODE_METHODS
 
 pytestmark = pytest.mark.integration
-
-#: prune-stage methods whose cache may exceed the budget (see their docstrings)
-BEYOND_BUDGET = {"asl-fullkv", "pyramidinfer"}
 
 
 @pytest.fixture(scope="module")

@@ -66,11 +66,11 @@ def test_captured_pseudo_queries_are_q_proj_plus_rope_at_the_true_positions(kind
     ]
     method = make_method("laq", **_options())
     try:
-        kvbudget.compress(model, PROMPT_IDS, method=method, budget=24)
+        cache = kvbudget.compress(model, PROMPT_IDS, method=method, budget=24)
     finally:
         for handle in handles:
             handle.remove()
-    record = method.last_lookahead
+    record = cache.session.run.lookahead
     length, steps, layers = PROMPT_IDS.shape[1], record.tokens.shape[1], model.config.num_hidden_layers
     assert steps == 4 and record.valid.all()
     assert record.positions[0].tolist() == list(range(length, length + steps))
@@ -95,8 +95,8 @@ def _assert_queries_recomputed(model, inputs, record, length: int, steps: int, l
 
 def test_pseudo_tokens_are_the_greedy_answer_of_the_snapkv_clone(llama):
     method = make_method("laq++", **_options())
-    kvbudget.compress(llama, PROMPT_IDS, method=method, budget=24)
-    record = method.last_lookahead
+    cache = kvbudget.compress(llama, PROMPT_IDS, method=method, budget=24)
+    record = cache.session.run.lookahead
     # the clone, built independently: SnapKV (window 4) at the main budget, then greedy decoding
     clone = kvbudget.compress(llama, PROMPT_IDS, method=make_method("snapkv", window=4), budget=24)
     with torch.no_grad():
@@ -114,13 +114,13 @@ def test_lookahead_stops_at_eos(chat_tokenizer):
     method = make_method("laq", **_options(steps=6))
     session = CompressionSession(method, model.config.num_hidden_layers, budget=30)
     prefill(model, [prompt], session, chat_tokenizer.pad_token_id)
-    free = method.last_lookahead.tokens[0].tolist()
+    free = session.run.lookahead.tokens[0].tolist()
     assert len(free) == 6
     stop_at = next(i for i in range(1, 6) if free[i] not in free[:i])  # first step whose token is new
     method = make_method("laq", **_options(steps=6))
     session = CompressionSession(method, model.config.num_hidden_layers, budget=30)
     prefill(model, [prompt], session, chat_tokenizer.pad_token_id, eos={free[stop_at]})
-    record = method.last_lookahead
+    record = session.run.lookahead
     assert record.tokens[0].tolist() == free[:stop_at]  # the EOS token is never fed
     assert record.queries[0].shape[2] == stop_at
 
@@ -153,7 +153,7 @@ def test_final_cache_holds_the_budget_and_no_pseudo_token_and_decodes_at_the_tru
     budget, length = 24, PROMPT_IDS.shape[1]
     method = make_method(name, **_options())
     cache = kvbudget.compress(model, PROMPT_IDS, method=method, budget=budget)
-    assert method.last_lookahead.tokens.shape[1] == 4  # the lookahead ran
+    assert cache.session.run.lookahead.tokens.shape[1] == 4  # the lookahead ran
     assert cache.get_seq_length() == length  # the pseudo tokens were never appended here
     stats = cache.stats()
     assert stats.entries.eq(budget).all()
@@ -170,7 +170,7 @@ def test_final_cache_holds_the_budget_and_no_pseudo_token_and_decodes_at_the_tru
             heads.append(positions)
         kept[i] = heads
     # the first real token: from the full-cache logits, decoded at position `length`
-    first = method.last_lookahead.tokens[:, :1]
+    first = cache.session.run.lookahead.tokens[:, :1]
     with torch.no_grad():
         logits = model(first, past_key_values=cache).logits[0, -1]
         kvbudget.detach(model)
@@ -406,7 +406,7 @@ def test_question_agnostic_lookahead_runs_before_the_question(chat_tokenizer, ll
     pad = chat_tokenizer.pad_token_id
     cache, _, _, _ = prefill(llama, [prompt], session, pad, compress_context_only=True)
     context = len(prompt.context_ids)
-    assert method.last_lookahead.positions[0, 0] == context  # pseudo tokens follow the context
+    assert session.run.lookahead.positions[0, 0] == context  # pseudo tokens follow the context
     assert cache.get_seq_length() == len(prompt.ids)
     entries = cache.stats().entries
     assert entries.eq(30 + len(prompt.question_ids)).all()  # the question is appended uncompressed
@@ -418,9 +418,16 @@ def test_question_agnostic_lookahead_runs_before_the_question(chat_tokenizer, ll
 def test_every_lookahead_method_gives_a_budgeted_cache(lookahead_method, llama, chat_tokenizer):
     method = make_method("laq++", **_options(lookahead_method=lookahead_method))
     result = kvbudget.generate(
-        llama, chat_tokenizer, CONTEXT, QUESTION, method=method, budget=30, max_new_tokens=3
+        llama,
+        chat_tokenizer,
+        CONTEXT,
+        QUESTION,
+        method=method,
+        budget=30,
+        max_new_tokens=3,
+        return_cache=True,
     )
-    assert method.last_lookahead.tokens.shape[1] == 4
+    assert result.cache.session.run.lookahead.tokens.shape[1] == 4
     assert result.cache_stats_after.entries.eq(30).all()
 
 
@@ -560,7 +567,7 @@ def test_query_head_laq_end_to_end_matches_the_authors_selection(kind, monkeypat
     monkeypatch.setattr(QueryCapture, "after_attention", spy)
     method = MethodSpec.parse("laq:budget_per=query-head,steps=4,lookahead_window=4").build()
     cache = kvbudget.compress(model, PROMPT_IDS, method=method, budget=budget)
-    record = method.last_lookahead
+    record = cache.session.run.lookahead
     prompt: dict = {}
     with reference_attention(model, record=prompt):
         full_logits = model(PROMPT_IDS).logits[0, -1]
@@ -624,7 +631,7 @@ def test_query_head_cache_decodes_each_query_head_over_its_own_entries(name):
     if name == "laq-ada":  # per-head budgets: the per-head layout's append and attention
         assert any(layer.is_ragged for layer in cache.layers)
     before = cache.stats().entries.clone()
-    tokens, got = method.last_lookahead.tokens[:, :1], []
+    tokens, got = cache.session.run.lookahead.tokens[:, :1], []
     with torch.no_grad():
         for _ in range(3):
             logits = model(tokens[:, -1:], past_key_values=cache).logits[0, -1]

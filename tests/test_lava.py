@@ -173,7 +173,7 @@ def run_library(name: str, options: dict, inputs, budget: int = BUDGET, slack: f
     ``slack``: the cascade's lazy re-eviction factor (``None``: the method's default)."""
     method = make_method(name, **options)
     if slack is not None:
-        method.reevict_slack = slack
+        object.__setattr__(method, "reevict_slack", slack)  # this instance only (a frozen configuration)
     session = CompressionSession(method, LAYERS, budget=budget)
     layers: list[BudgetLayer] = []
     steps = []
@@ -452,7 +452,8 @@ def test_lava_floor_split_equals_the_authors_formula(seed):
     recount_differs = False
     for first in range(1, heads * m, max(1, heads * m // 16)):
         method = make_method("lava", floor_alpha=alpha)
-        counts = method.split_for(0, 0, configured, scores, candidates, first, full)
+        run = method.start()  # the first orders a re-eviction recounts in live in the run
+        counts = method.split_for(run, 0, 0, configured, scores, candidates, first, full)
         expected = torch.minimum(authors_floor_caps(scores, first, alpha, configured).long(), full)
         assert counts.tolist() == expected.tolist(), first
         for second in (first - 1, first // 2):  # re-evictions: budgets only shrink
@@ -460,7 +461,7 @@ def test_lava_floor_split_equals_the_authors_formula(seed):
             held = torch.zeros_like(candidates)
             for h in range(heads):
                 held[h, torch.argsort(scores[h], descending=True)[: int(counts[h])]] = True
-            again = method.split_for(0, 0, configured, scores, held, second, counts)
+            again = method.split_for(run, 0, 0, configured, scores, held, second, counts)
             expected = torch.minimum(authors_floor_caps(scores, second, alpha, configured).long(), counts)
             assert again.tolist() == expected.tolist(), (first, second)
             masked = scores.masked_fill(~held, float("-inf"))
@@ -473,7 +474,8 @@ def test_lava_floor_split_equals_the_authors_formula(seed):
     assert recount_differs or alpha == 1.0  # discriminating: the first order matters
     # a budget that reaches the layer's candidates keeps them all
     method = make_method("lava", floor_alpha=alpha)
-    assert method.split_for(0, 0, configured, scores, candidates, heads * m, full).tolist() == full.tolist()
+    full_split = method.split_for(method.start(), 0, 0, configured, scores, candidates, heads * m, full)
+    assert full_split.tolist() == full.tolist()
 
 
 def ref_floored_lava(inputs, alpha: float, budget: int = BUDGET):
@@ -581,8 +583,8 @@ def test_lava_on_a_model_budgets_only_shrink_and_sum_exactly(budget, monkeypatch
     history: list[list[int]] = []
     original = type(method).rebalance
 
-    def spy(self, layers, targets):
-        original(self, layers, targets)
+    def spy(self, layers, targets, run):
+        original(self, layers, targets, run)
         history.append([int(layer.head_lengths().sum()) for layer in layers])
 
     monkeypatch.setattr(type(method), "rebalance", spy)

@@ -7,7 +7,8 @@ import of the module ``kvbudget.data``; ``import kvbudget`` and ``from kvbudget 
 import the package's public façade (``kvbudget/__init__.py``), which sits in the top layer.
 Modules reached only through ``importlib`` (the task registry's task modules) are not seen.
 
-A new module fails :func:`test_every_module_is_placed_in_a_layer` until it is added to ``LAYERS``.
+A new module fails :func:`test_every_module_is_placed_in_a_layer` until it is added to ``LAYERS``;
+a new module of ``kvbudget/methods`` is placed in the "methods" layer by itself (``METHOD_MODULES``).
 """
 
 from __future__ import annotations
@@ -19,59 +20,42 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+#: the method interface: the modules of ``kvbudget/methods`` that every method builds on
+METHOD_INTERFACE = ["kvbudget.methods", "kvbudget.methods.base", "kvbudget.methods.prune_base"]
+#: every other module of ``kvbudget/methods`` (each method's file, its shared bases, the registry) is
+#: in the "methods" layer, found here, so a new method file needs no entry
+METHOD_MODULES = sorted(
+    {
+        ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        for path in (SRC / "kvbudget" / "methods").rglob("*.py")
+    }
+    - set(METHOD_INTERFACE)
+)
+
 #: (layer, its modules), lowest first. A module may import from its own layer and every layer above
 #: it in this list, never from one below it.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundations", ["kvbudget.errors", "kvbudget.version", "kvbudget.units", "kvbudget.architectures"]),
+    (
+        "foundations",
+        [
+            "kvbudget.errors",
+            "kvbudget.version",
+            "kvbudget.units",
+            "kvbudget.architectures",
+            "kvbudget.extras",
+        ],
+    ),
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
     ("models and data", ["kvbudget.models", "kvbudget.data"]),
     ("cache", ["kvbudget.cache", "kvbudget.static_cache"]),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),
     ("observation", ["kvbudget.observation"]),
+    ("session", ["kvbudget.session"]),
     ("method parts", ["kvbudget.scoring", "kvbudget.selection", "kvbudget.allocation", "kvbudget.merging"]),
     ("profiles", ["kvbudget.profiles"]),
-    ("method interface", ["kvbudget.methods", "kvbudget.methods.base", "kvbudget.methods.prune_base"]),
-    ("session", ["kvbudget.session"]),
-    (
-        "methods",
-        [
-            "kvbudget.methods.asl",
-            "kvbudget.methods.baklava",
-            "kvbudget.methods.cake",
-            "kvbudget.methods.cam",
-            "kvbudget.methods.layerwise",
-            "kvbudget.methods.combinations",
-            "kvbudget.methods.composable",
-            "kvbudget.methods.chunkkv",
-            "kvbudget.methods.d2o",
-            "kvbudget.methods.expected_attention",
-            "kvbudget.methods.fastkv",
-            "kvbudget.methods.full",
-            "kvbudget.methods.gemfilter",
-            "kvbudget.methods.h2o",
-            "kvbudget.methods.keydiff",
-            "kvbudget.methods.knorm",
-            "kvbudget.methods.kvzip",
-            "kvbudget.methods.lagkv",
-            "kvbudget.methods.lava",
-            "kvbudget.methods.lookahead",
-            "kvbudget.methods.observed_attention",
-            "kvbudget.methods.profiled",
-            "kvbudget.methods.pyramidinfer",
-            "kvbudget.methods.qfilter",
-            "kvbudget.methods.random_eviction",
-            "kvbudget.methods.rkv",
-            "kvbudget.methods.snapkv",
-            "kvbudget.methods.spec",
-            "kvbudget.methods.squeezeattention",
-            "kvbudget.methods.streamingllm",
-            "kvbudget.methods.tova",
-            "kvbudget.methods.vatp",
-            "kvbudget.methods.presets",
-            "kvbudget.methods.registry",
-        ],
-    ),
+    ("method interface", METHOD_INTERFACE),
+    ("methods", METHOD_MODULES),
     ("prefill", ["kvbudget.prefill"]),
     ("prune stage", ["kvbudget.prune"]),
     ("static decode", ["kvbudget.static_decode"]),

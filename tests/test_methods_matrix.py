@@ -9,8 +9,10 @@ from transformers import AttentionInterface
 import kvbudget
 from conftest import seeded, tiny_model
 from kvbudget.cache import BudgetCache
+from kvbudget.methods.registry import method_info
 from method_matrix import (
     ALL_METHODS,
+    BEYOND_BUDGET,
     COMPRESSING_METHODS,
     DECODE_METHODS,
     DYNAMIC_LAYER_METHODS,
@@ -177,3 +179,20 @@ def test_model_generate_accepts_a_budget_cache(name, llama):
             token = llama(token, past_key_values=cache2).logits[:, -1].argmax(-1, keepdim=True)
             mine.append(int(token))
     assert out[0, 70:].tolist() == mine
+
+
+def test_the_groups_are_read_from_the_methods() -> None:
+    """The groups come from the methods' stages, options and metadata (tests/method_matrix.py), and
+    they hold the methods known to belong to them; every method's small options fit the budget test."""
+    assert {"d2o", "d2o-uniform", "cam"} <= set(MERGING_METHODS) and "d2o-nomerge" not in MERGING_METHODS
+    assert {"squeezeattention", "baklava", "baklava-snapkv"} <= set(PROFILED_METHODS)
+    assert {"asl-fullkv", "pyramidinfer"} <= set(BEYOND_BUDGET) and "asl" not in BEYOND_BUDGET
+    assert {"h2o", "streamingllm", "d2o", "cake"} <= set(DECODE_METHODS)
+    assert {"lava", "cake", "d2o"} <= set(
+        DYNAMIC_LAYER_METHODS
+    ) and "lava-uniform" not in DYNAMIC_LAYER_METHODS
+    assert {"asl", "fastkv", "gemfilter", "pyramidinfer"} <= set(PRUNE_METHODS)
+    for name in ALL_METHODS:  # the budget test keeps 24 entries a head
+        method = small(name)
+        assert method.window + method.sinks < 24, (name, method.window, method.sinks)
+        assert set(method_info(name).small_options) <= set(method.options()), name

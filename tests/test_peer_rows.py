@@ -145,16 +145,202 @@ def test_report_marks_kvpress_rows_and_says_where_the_best_stand(tmp_path):
 
 
 def test_press_names_accept_aliases_and_all_and_refuse_unknown_ones():
-    from kvbudget.eval.peer_rows import press_names
+    from kvbudget.eval.peer_rows import PRESSES, press_names
 
-    assert press_names(["all"]) == [
+    everything = press_names(["all"])
+    assert everything[:9] == [
         "snapkv", "streaming_llm", "knorm", "tova", "keydiff", "expected_attention", "observed_attention",
         "adakv_snapkv", "pyramidkv",
     ]  # fmt: skip
+    assert everything == [name for name in PRESSES if name != "no_press"] and "finch" in everything
+    assert {"kvzip", "kvzip_plus", "chunkkv", "lagkv", "compactor", "snapkv@paper"} <= set(everything)
     given = ["streamingllm", "adakv", "kvpress:snapkv", "snapkv", "no-press"]
     assert press_names(given) == ["streaming_llm", "adakv_snapkv", "snapkv", "no_press"]
+    given = ["Ada-SnapKV@paper", "kvpress:PyramidKV@paper", "KVzip+", "non-causal-attn"]
+    assert press_names(given) == ["adakv_snapkv@paper", "pyramidkv@paper", "kvzip_plus", "non_causal_attn"]
     with pytest.raises(KVBudgetError, match="unknown kvpress press 'h2o': expected some of snapkv,"):
         press_names(["h2o"])
+    with pytest.raises(KVBudgetError, match="unknown kvpress press 'snapkv@lava'"):
+        press_names(["snapkv@lava"])
+
+
+def test_finch_runs_question_aware_only():
+    """FINCH's window is the question: a question-agnostic ``all`` leaves it out (and only it), and
+    naming it there is a one-line error."""
+    from kvbudget.eval.peer_rows import make_jobs, press_names
+
+    aware, agnostic = press_names(["all"]), press_names(["all"], question_aware=False)
+    assert [name for name in aware if name not in agnostic] == ["finch"]
+    with pytest.raises(KVBudgetError) as err:
+        press_names(["snapkv", "finch"], question_aware=False)
+    assert str(err.value) == (
+        "kvpress press 'finch' runs question-aware only (its window is the question, which a "
+        "question-agnostic run leaves out of the compressed prefill)"
+    )
+    (job,) = make_jobs(["finch"], [0.5], question_aware=True)
+    assert job["press"] == "FinchPress" and job["question_delimiter"] is True and job["question_aware"]
+
+
+def test_presses_that_cannot_run_here_are_refused_with_their_reason():
+    import re
+
+    from kvbudget.eval.peer_rows import PRESSES, UNAVAILABLE_PRESSES, press_names
+
+    assert not set(UNAVAILABLE_PRESSES) & set(PRESSES)
+    for name, reason in UNAVAILABLE_PRESSES.items():
+        with pytest.raises(KVBudgetError) as err:
+            press_names(["snapkv", name.upper()])
+        assert str(err.value) == f"kvpress press '{name.upper()}' cannot run here: {reason}"
+        assert "\n" not in reason and re.match(r"\w+Press\b", reason), name  # it names the class first
+    for name in ("qfilter", "fastkvzip", "restorekv", "kvzap_mlp", "expected_attention_stats"):
+        assert "from the hub" in UNAVAILABLE_PRESSES[name]
+    assert "kvbudget's own `qfilter`" in UNAVAILABLE_PRESSES["qfilter"]
+    assert "while decoding" in UNAVAILABLE_PRESSES["cam_knorm"]
+    with pytest.raises(KVBudgetError, match="cannot run here: RestoreKVPress loads"):
+        press_names(["RestoreKV+"])
+
+
+def test_cli_refuses_a_press_that_cannot_run_here_in_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "out"), "--peer-presses", "qfilter"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: kvpress press 'qfilter' cannot run here: QFilterPress loads the authors' trained Q-filters "
+        "from the hub (nthngdy/<model>_qfilt) on entering the press; it takes no filters of ours "
+        "(kvbudget's own `qfilter` computes them locally)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_paper_variants_carry_the_snapkv_papers_settings():
+    """SnapKV's paper: observation window 32, pooling kernel 7 (its max pooling kvpress cannot set);
+    PyramidKV's β = 20. The variants' rows are keyed apart from the defaults' (window 64, kernel 5)."""
+    from kvbudget.eval.peer_rows import PRESSES, PressSpec, make_jobs
+
+    paper = {"window_size": 32, "kernel_size": 7}
+    assert PRESSES["snapkv@paper"] == {"press": "SnapKVPress", "kwargs": paper}
+    assert PRESSES["adakv_snapkv@paper"] == {
+        "press": "AdaKVPress",
+        "inner": {"press": "SnapKVPress", "kwargs": paper},
+    }
+    assert PRESSES["pyramidkv@paper"] == {"press": "PyramidKVPress", "kwargs": {**paper, "beta": 20}}
+    for name in ("snapkv", "adakv_snapkv", "pyramidkv"):
+        default, variant = PressSpec.of(name), PressSpec.of(f"{name}@paper")
+        assert variant.name == f"kvpress:{name}@paper" and variant.options != default.options
+    assert dict(PressSpec.of("snapkv@paper").options)["kwargs"] == '{"kernel_size": 7, "window_size": 32}'
+    (job,) = make_jobs(["pyramidkv@paper"], [0.5], question_aware=False)
+    assert job["kwargs"] == {**paper, "beta": 20} and job["method"] == "kvpress:pyramidkv@paper"
+
+
+#: builds every press of ``jobs`` (argv[1], name → job) with the kvpress runner's own ``make_press``
+#: at ratio 0.5 and prints what kvpress made of it, with every press class kvpress exports
+_BUILD = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import kvpress
+from kvpress_runner import finch_prompt, make_press, rerotates_keys
+
+def fields(press):
+    names = ("window_size", "kernel_size", "beta", "chunk_length", "block_size", "kvzip_plus_normalization",
+             "structured", "epsilon", "use_vnorm")
+    return {n: getattr(press, n) for n in names if hasattr(press, n)}
+
+built = {}
+for name, job in json.loads(sys.argv[1]).items():
+    press = make_press({**job, "compression_ratio": 0.5}, 100)
+    inner = getattr(press, "press", None)
+    built[name] = {
+        "class": type(press).__name__, "ratio": press.compression_ratio, "fields": fields(press),
+        "inner": None if inner is None else {"class": type(inner).__name__, "fields": fields(inner)},
+    }
+class Embeddings:
+    num_embeddings = 50
+class Model:
+    def get_input_embeddings(self):
+        return Embeddings()
+finch = make_press({"press": "FinchPress", "compression_ratio": 0.5}, 10)
+ids = finch_prompt(finch, Model(), {"context_ids": [3, 4, 5], "question_ids": [6, 7]})[0].tolist()
+try:
+    finch_prompt(finch, Model(), {"context_ids": [3, 49], "question_ids": [6]})
+    clash = None
+except ValueError as err:
+    clash = str(err)
+snap = make_press({"press": "SnapKVPress", "compression_ratio": 0.5}, 10)
+classes = sorted(
+    n for n, c in vars(kvpress).items() if isinstance(c, type) and issubclass(c, kvpress.BasePress)
+)
+print(json.dumps({
+    "built": built, "classes": classes,
+    "finch": {"ids": ids, "delimiter": finch.delimiter_token_id, "clash": clash},
+    "rerotates": [rerotates_keys(finch), rerotates_keys(snap), rerotates_keys(None)],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def built_presses() -> dict:
+    """What kvpress 0.5.5 builds from every ``PRESSES`` job (one subprocess in its environment)."""
+    import subprocess
+
+    from kvbudget.bench.peer import runner_script
+    from kvbudget.eval.peer_rows import PRESSES, _peer_env
+
+    jobs = {name: job for name, job in PRESSES.items() if job["press"] is not None}
+    command = [str(PEER), "-P", "-c", _BUILD, json.dumps(jobs), str(runner_script().parent)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=_peer_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_peer
+def test_every_press_is_built_by_kvpress_with_its_settings_and_the_ratio(built_presses):
+    """Each job names kvpress classes that exist and options they take (``make_press`` raises
+    otherwise); the ratio reaches the scorer through any wrapper; the settings are the registry's."""
+    from kvbudget.eval.peer_rows import PRESSES
+
+    built = built_presses["built"]
+    assert set(built) == {name for name, job in PRESSES.items() if job["press"] is not None}
+    for name, made in built.items():
+        job = PRESSES[name]
+        assert made["class"] == job["press"] and made["ratio"] == 0.5, name
+        for key, value in job.get("kwargs", {}).items():
+            assert made["fields"][key] == value, (name, key)
+        if "inner" in job:
+            assert made["inner"]["class"] == job["inner"]["press"], name
+            for key, value in job["inner"].get("kwargs", {}).items():
+                assert made["inner"]["fields"][key] == value, (name, key)
+    assert built["snapkv"]["fields"] == {"window_size": 64, "kernel_size": 5}  # kvpress's defaults
+    assert built["snapkv@paper"]["fields"] == {"window_size": 32, "kernel_size": 7}
+    assert built["adakv_snapkv@paper"]["inner"]["fields"] == {"window_size": 32, "kernel_size": 7}
+    assert built["pyramidkv@paper"]["fields"] == {"window_size": 32, "kernel_size": 7, "beta": 20}
+    assert built["chunkkv"]["fields"]["chunk_length"] == 20 and built["kvzip_plus"]["fields"] == {
+        "kvzip_plus_normalization": True
+    }
+
+
+@needs_peer
+def test_every_kvpress_press_class_runs_or_is_refused_with_a_reason(built_presses):
+    """A press kvpress adds later fails here until it is run (``PRESSES``) or refused with a reason
+    that names it (``UNAVAILABLE_PRESSES``)."""
+    import re
+
+    from kvbudget.eval.peer_rows import PRESSES, UNAVAILABLE_PRESSES
+
+    run = {job["press"] for job in PRESSES.values()} | {
+        job["inner"]["press"] for job in PRESSES.values() if "inner" in job
+    }
+    refused = {c for reason in UNAVAILABLE_PRESSES.values() for c in re.findall(r"\b\w+Press\b", reason)}
+    classes = set(built_presses["classes"]) - {"BasePress", "ScorerPress"}
+    assert len(classes) == 44  # kvpress 0.5.5's (46 with BasePress and ScorerPress)
+    assert classes - run - refused == set()
+    assert refused <= classes and not run & {"QFilterPress", "FastKVzipPress", "RestoreKVPress", "KVzapPress"}
+
+
+@needs_peer
+def test_finch_prompt_puts_a_delimiter_between_context_and_question(built_presses):
+    finch = built_presses["finch"]
+    assert finch["ids"] == [3, 4, 5, 49, 6, 7] and finch["delimiter"] == 49
+    assert finch["clash"] == "the delimiter id 49 (the embeddings' last row) occurs in the prompt"
+    assert built_presses["rerotates"] == [True, False, False]
 
 
 def test_a_missing_peer_python_is_a_one_line_error_before_any_model_loads(tmp_path, monkeypatch):

@@ -62,14 +62,23 @@ def test_prune_methods_score_chunks_on_their_pruned_prefix(name):
     assert pruned.max_entries_per_head == 24 + 32 and pruned.tokens == 200 - 32  # first chunk: 32
 
 
-def test_lookahead_methods_compress_each_prefix_after_looking_ahead():
+def test_lookahead_methods_compress_each_prefix_after_looking_ahead(monkeypatch):
     """A lookahead method compresses after the prefill (its lookahead stage), so each prefix is held
     at the budget like a prefill-stage method's, and the answer differs from the full cache's."""
     model = tiny_model()
     method = make_method("laq", kernel=3, lookahead_window=4, steps=4)
+    lookaheads = []
+    real = type(method).pseudo_decode
+
+    def spy(self, *args, **kwargs):
+        record = real(self, *args, **kwargs)
+        lookaheads.append(record)
+        return record
+
+    monkeypatch.setattr(type(method), "pseudo_decode", spy)
     small = chunked_perplexity(model, IDS, method, budget=24, chunk=32)
     assert small.max_entries_per_head == 24 + 32  # compressed prefix + the scored chunk
-    assert method.last_lookahead.tokens.shape == (1, 4)  # it looked ahead (4 pseudo tokens)
+    assert lookaheads and all(r.tokens.shape == (1, 4) for r in lookaheads)  # each prefix looked ahead
     full = chunked_perplexity(model, IDS, make_method("full"), None, chunk=32, first_chunk=32)
     assert small.tokens == full.tokens
     assert small.nll != pytest.approx(full.nll, abs=1e-6)
@@ -77,13 +86,13 @@ def test_lookahead_methods_compress_each_prefix_after_looking_ahead():
 
 def test_a_profiled_method_looks_parameters_up_at_the_passages_ratio(monkeypatch):
     """Each prefill sees budget / prefix tokens; the lookup uses budget / T (or the given ratio),
-    only during the call: a pin made before is restored after."""
+    pinned in the call's own runs."""
     from kvbudget.methods.profiled import ProfiledMethod
 
     seen = []
     real = ProfiledMethod.resolved_p
     monkeypatch.setattr(
-        ProfiledMethod, "resolved_p", lambda self, ratio: seen.append(ratio) or real(self, ratio)
+        ProfiledMethod, "resolved_p", lambda self, run, ratio: seen.append(ratio) or real(self, run, ratio)
     )
     model = tiny_model()
     for name in ("squeezeattention", "baklava"):
@@ -91,12 +100,10 @@ def test_a_profiled_method_looks_parameters_up_at_the_passages_ratio(monkeypatch
         seen.clear()
         chunked_perplexity(model, IDS, method, budget=50, chunk=16)  # 50 / 200
         assert seen and set(seen) == {0.25}, name
-        assert method.pin_ratio(None) is None  # unpinned after the call
-        method.pin_ratio(0.5)
         seen.clear()
         chunked_perplexity(model, IDS, method, budget=50, chunk=16, ratio=0.3)
         assert seen and set(seen) == {0.3}, name
-        assert method.pin_ratio(None) == 0.5  # the earlier pin is back
+        assert method == make_method(name)  # the pins lived in the call's runs, not on the method
 
 
 @pytest.mark.parametrize("ratio", [0, 1.5, -0.1, "0.3"])

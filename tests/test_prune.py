@@ -109,12 +109,13 @@ def test_asl_rank_variance_and_selection_equal_the_formulas(tau, l_min, l_obs, e
     rel, layer, keep = _asl_reference(probs, window, kernel, budget, l_min, l_obs, tau)
     method = make_method("asl-fullkv", window=window, kernel=kernel, tau=tau, l_min=l_min, l_obs=l_obs)
     cache = kvbudget.compress(model, ids, method=method, budget=budget)
-    mine = method.relative_variances[0]
+    run = cache.session.run
+    mine = run.relative_variances[0]
     assert [x[0] for x in mine] == [x[0] for x in rel]
     assert np.allclose([x[1] for x in mine], [x[1] for x in rel], rtol=1e-5)
-    assert method.selection_layers[0] == layer == expected
+    assert run.selection_layers[0] == layer == expected
     if layer is not None:
-        assert method.selected[0].tolist() == keep.tolist()
+        assert run.selected[0].tolist() == keep.tolist()
         deeper = cache.layers[layer + 1]
         assert deeper.positions[0, 0].tolist() == keep.tolist()  # deeper caches hold the selected slots
         assert cache.get_seq_length() == 70
@@ -130,8 +131,8 @@ def test_larger_tau_never_selects_a_deeper_layer(tau_a, tau_b):
     layers = []
     for tau in sorted((tau_a, tau_b)):
         method = make_method("asl", window=4, kernel=3, tau=tau, l_min=2, l_obs=2)
-        kvbudget.compress(model, ids, method=method, budget=20)
-        layers.append(method.selection_layers[0])
+        cache = kvbudget.compress(model, ids, method=method, budget=20)
+        layers.append(cache.session.run.selection_layers[0])
     deep = [99 if x is None else x for x in layers]
     assert deep[1] <= deep[0]
 
@@ -152,11 +153,12 @@ def test_a_tau_no_layer_meets_still_ends_every_layer_at_the_budget(name):
         expected = budget if n > budget else n
         entries = cache.stats(row).entries  # [layers, kv_heads]
         assert entries.shape == (6, 2) and entries.eq(expected).all(), (row, entries)
-    assert all(rel >= 1e-9 for _, rel in method.relative_variances[0])  # no layer met τ
+    run = cache.session.run
+    assert all(rel >= 1e-9 for _, rel in run.relative_variances[0])  # no layer met τ
     if name == "asl":
-        assert method.selection_layers == [None, None]
+        assert run.selection_layers == [None, None]
     else:  # row 0 selected at the last layer; row 1 fits and is kept whole
-        assert method.selection_layers == [5, None] and method.fallback_rows == {0}
+        assert run.selection_layers == [5, None] and run.fallback_rows == {0}
 
 
 def _authors_asl_2pass_fallback(probs: np.ndarray, window: int, kernel: int, budget: int, kv_heads: int):
@@ -183,13 +185,16 @@ def test_asl_2pass_fallback_keeps_the_authors_last_layer_top_k_and_runs_pass_2_o
     tok = tiny_tokenizer(True)
     window, kernel, budget = 8, 7, 40
     method = make_method("asl-2pass", window=window, kernel=kernel, tau=1e-9)
-    result = kvbudget.generate(model, tok, CONTEXT, "What?", method=method, budget=budget, max_new_tokens=6)
+    result = kvbudget.generate(
+        model, tok, CONTEXT, "What?", method=method, budget=budget, max_new_tokens=6, return_cache=True
+    )
+    run = result.cache.session.run
     ids = torch.tensor([kvbudget.engine.build_prompt(tok, CONTEXT, "What?").ids])
     probs = _eager_window_probs(model, ids, window)[-1]  # pass 1 ran every layer on every token
     keep = _authors_asl_2pass_fallback(probs, window, kernel, budget, kv_heads=2)
     assert ids.shape[1] > budget and keep.numel() == budget
-    assert method.selected[0].tolist() == keep.tolist()
-    assert result.selection_layer == 3 and method.fallback_rows == {0}
+    assert run.selected[0].tolist() == keep.tolist()
+    assert result.selection_layer == 3 and run.fallback_rows == {0}
     assert result.budgets.eq(budget).all()
     with torch.no_grad():  # pass 2 = the model on the kept ids, positions 0..k-1, greedy
         reference = model.generate(ids[:, keep], max_new_tokens=6, do_sample=False, eos_token_id=None)
@@ -228,8 +233,8 @@ def test_fastkv_selection_equals_the_formula():
     expected = np.sort(np.concatenate([best, np.arange(n - window, n)]))
     method = make_method("fastkv", window=window, kernel=kernel, tsp_layer=tsp)
     cache = kvbudget.compress(model, ids, method=method, budget=budget)
-    assert method.selection_layers == [tsp]
-    assert method.selected[0].tolist() == expected.tolist()
+    assert cache.session.run.selection_layers == [tsp]
+    assert cache.session.run.selected[0].tolist() == expected.tolist()
     assert cache.layers[tsp + 1].positions[0, 0].tolist() == expected.tolist()
 
 
@@ -250,7 +255,7 @@ def test_pyramidinfer_first_cut_equals_the_formula():
     expected = np.sort(np.concatenate([best, np.arange(context, n)]))
     method = make_method("pyramidinfer", decay=decay, min_context=8)
     cache = kvbudget.compress(model, ids, method=method, budget=20)
-    assert method.selection_layers == [1]
+    assert cache.session.run.selection_layers == [1]
     assert cache.layers[2].positions[0, 0].tolist() == expected.tolist()
     assert cache.stats().entries[:, 0].tolist()[:2] == [80, 80]
 
@@ -280,12 +285,12 @@ def test_fastkv_prunes_the_forward_at_true_positions():
 
         cache, logits, _ = prune_prefill(model, inputs, session)
         kvbudget.detach(model)
-        keep = method.selected[0]
+        keep = session.run.selected[0]
         hidden = _plain_layers(model, model.model.embed_tokens(ids), torch.arange(100)[None], range(2))
         reference_cache = DynamicCache()
         deeper = _plain_layers(model, hidden[:, keep], keep[None], [2, 3], reference_cache)
         reference = model.lm_head(model.model.norm(deeper))[:, -1]
-    assert method.selection_layers == [1] and keep.numel() == 24
+    assert session.run.selection_layers == [1] and keep.numel() == 24
     assert torch.allclose(logits, reference, atol=1e-5)
     layer2 = cache.layers[2]
     assert torch.allclose(layer2.keys, reference_cache.layers[2].keys, atol=1e-5)
@@ -315,12 +320,14 @@ def test_gemfilter_second_pass_is_the_model_on_the_selected_tokens():
     model = tiny_model("qwen2")
     tok = tiny_tokenizer(True)
     method = make_method("gemfilter", kernel=5)
-    result = kvbudget.generate(model, tok, CONTEXT, "What?", method=method, budget=30, max_new_tokens=6)
+    result = kvbudget.generate(
+        model, tok, CONTEXT, "What?", method=method, budget=30, max_new_tokens=6, return_cache=True
+    )
     prompt = kvbudget.engine.build_prompt(tok, CONTEXT, "What?")
     ids = torch.tensor([prompt.ids])
     kvbudget.detach(model)
     keep = _gemfilter_reference_keep(model, ids, 2, 30, 5)  # round(0.4 · 4 layers) = 2
-    assert method.selected[0].tolist() == keep.tolist() and result.selection_layer == 2
+    assert result.cache.session.run.selected[0].tolist() == keep.tolist() and result.selection_layer == 2
     with torch.no_grad():  # pass 2 = the model on the selected ids, positions 0..k-1, greedy
         reference = model.generate(ids[:, keep], max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert result.token_ids == reference[0, 30:].tolist()[: len(result.token_ids)]

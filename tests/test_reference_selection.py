@@ -335,12 +335,12 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "laq", "laq++", "laq-ada", "laq-lava",
         # prune-stage methods: references in tests/test_prune.py (ASL's scoring is shared by its variants)
         "asl", "asl-fullkv", "asl-2pass", "fastkv", "gemfilter", "pyramidinfer",
-        # references in tests/test_new_scorers.py
+        # references in tests/test_keydiff_lagkv_chunkkv_qfilter.py
         "keydiff",
         "lagkv",
         "chunkkv",
         "qfilter",
-        # references in tests/test_new_methods_2026.py
+        # references in tests/test_kvzip_expected_attention_rkv.py
         "kvzip", "expected-attention", "r-kv",
     }  # fmt: skip
     assert set(method_names()) == covered

@@ -175,3 +175,18 @@ def test_columns_over_different_tasks_are_also_compared_on_the_shared_ones(tmp_p
     # over t1..t3 A's r=0.5 mean is (1 + 0 + 1) / 3; over t1, t2 it is (1 + 0) / 2
     assert "| A | 50.0 [50.0, 50.0] | 66.7 [66.7, 66.7] |" in head
     assert "| A | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] |" in shared.split("## t1")[0]
+
+
+def test_report_header_states_what_the_weights_are(tmp_path):
+    # a registry model: its quantization and GGUF header name, and what they mean for the scores;
+    # a local folder: only where the weights came from
+    rows = [{**_row("t1", "full", 0, 1.0), "model": "qwen2.5-coder-0.5b"}]
+    rows.append({**_row("t1", "full", 0, 1.0), "model": "/data/my-model", "key": "local"})
+    text = write_report(_write(tmp_path, rows), resamples=10).read_text()
+    header = text.split("\n\n")[1]  # the paragraph after the title
+    assert header.startswith("Model(s): /data/my-model, qwen2.5-coder-0.5b (bfloat16).")
+    qwen = header.partition("Weights of `qwen2.5-coder-0.5b`: ")[2]
+    assert qwen.startswith("4-bit GGUF Q4_K_M (file type MOSTLY_Q4_K_M;")
+    assert "header name 'Qwen2.5 Coder 0.5B Instruct AWQ'" in qwen
+    assert "not of the original bf16 checkpoint; every method runs on the same weights" in qwen
+    assert "Weights of `/data/my-model`: weights as loaded from /data/my-model." in header

@@ -13,14 +13,17 @@ import pytest
 import torch
 
 import kvbudget
-from conftest import seeded, tiny_model
+from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.attention import attend_static
+from kvbudget.methods.registry import make_method
 from kvbudget.prefill import forward_last_logits
 from kvbudget.static_cache import CacheFullError, StaticBudgetCache
-from kvbudget.static_decode import StaticDecoder
-from method_matrix import small
+from kvbudget.static_decode import StaticDecoder, static_refusal
+from method_matrix import ALL_METHODS, small
 
 STEPS = 6
+CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
+QUESTION = "What does the fox do?"
 
 
 def _reference_attention(q, keys, values, lengths, scale):
@@ -156,3 +159,31 @@ def test_the_captured_step_equals_eager_steps_and_never_syncs(request) -> None:
             torch.cuda.set_sync_debug_mode("default")
         assert got.equal(expected)
         torch.testing.assert_close(graph.logits, eager.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_METHODS if "decode" not in make_method(n).stages])
+def test_generate_with_static_decoding_equals_eager_decoding(name) -> None:
+    """For every method that does not evict while decoding: the same tokens, budgets and kept
+    entries, ``decode="static"`` or not (a batch of two prompts of different lengths)."""
+    model = tiny_model("llama")
+    tokenizer = tiny_tokenizer(chat_template=True)
+    contexts = [CONTEXT, CONTEXT[: len(CONTEXT) // 2]]
+    options = dict(method=small(name), budget=40, max_new_tokens=8)
+    eager = kvbudget.generate(model, tokenizer, contexts, [QUESTION] * 2, **options)
+    options["method"] = small(name)
+    static = kvbudget.generate(model, tokenizer, contexts, [QUESTION] * 2, decode="static", **options)
+    for e, s in zip(eager, static, strict=True):
+        assert s.token_ids == e.token_ids
+        assert s.budgets.equal(e.budgets)
+        assert s.cache_stats_after.entries.equal(e.cache_stats_after.entries)
+
+
+def test_methods_that_evict_while_decoding_say_why_they_decode_eagerly() -> None:
+    model = tiny_model("llama")
+    cache = kvbudget.compress(model, torch.randint(5, 90, (1, 60)), method=small("h2o"), budget=40)
+    assert "evicts while decoding" in static_refusal(make_method("h2o"), cache)
+    snap = kvbudget.compress(model, torch.randint(5, 90, (1, 60)), method=small("snapkv"), budget=40)
+    assert static_refusal(make_method("snapkv"), snap) is None
+    assert "sampling" in static_refusal(make_method("snapkv"), snap, temperature=0.7)
+    with pytest.raises(kvbudget.errors.InputError, match="decode must be one of eager, static"):
+        kvbudget.generate(model, tiny_tokenizer(True), CONTEXT, QUESTION, decode="graph")

@@ -28,14 +28,14 @@ def spied(monkeypatch):
     calls: list[tuple[str, float, float | None]] = []
     real_p, real_tr = ProfiledMethod.resolved_p, BaKlaVa.resolved_tr
 
-    def resolved_p(self, ratio):
-        p = real_p(self, ratio)
+    def resolved_p(self, run, ratio):
+        p = real_p(self, run, ratio)
         calls.append(("p", ratio, p))
         return p
 
-    def resolved_tr(self, ratio):
+    def resolved_tr(self, run, ratio):
         calls.append(("tr", ratio, None))
-        return real_tr(self, ratio)
+        return real_tr(self, run, ratio)
 
     monkeypatch.setattr(ProfiledMethod, "resolved_p", resolved_p)
     monkeypatch.setattr(BaKlaVa, "resolved_tr", resolved_tr)

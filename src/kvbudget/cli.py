@@ -1,9 +1,13 @@
-"""The ``kvbudget`` command line (typer): methods, generate, fetch, eval, report, demo, bench.
+"""The ``kvbudget`` command line (typer): methods, models, generate, fetch, eval, report, demo, bench.
 
 User errors (unknown method or model, bad budget, missing artifact, a file that is not text, an
 output folder that cannot be written, ...) print one line to stderr and exit with code 2; every
 argument is checked (:mod:`kvbudget.cli_checks`) before a model or data set loads. Usage errors
 found by the parser (a misspelt option, a value of the wrong type) are one line too.
+
+The commands of the evaluation harness and the benchmarks (eval, report, pack, tune, demo, bench)
+import them inside the command, under :func:`~kvbudget.extras.needs_extra`: without
+``kvbudget[eval]`` they stop with one line naming the extra.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typer.core import TyperGroup
 
 from kvbudget import cli_checks as check
 from kvbudget.errors import BudgetError, KVBudgetError
+from kvbudget.extras import needs_extra
 from kvbudget.units import format_bytes
 
 
@@ -222,6 +227,22 @@ def generate(
 
 @app.command()
 @user_errors
+def models() -> None:
+    """List the registry models: name, whether fetched, architecture and what the weights are
+    (quantization and GGUF header name, read from the files)."""
+    from kvbudget.models import MODELS, QUANTIZED_WEIGHTS_NOTE, is_fetched
+
+    table = Table(title="kvbudget registry models (kvbudget fetch model NAME)")
+    for column in ("name", "fetched", "model", "weights"):
+        table.add_column(column, no_wrap=column == "name")
+    for name, spec in MODELS.items():
+        table.add_row(name, "yes" if is_fetched(name) else "no", spec.description, spec.weights)
+    console.print(table)
+    console.print(f"Every registry model: {QUANTIZED_WEIGHTS_NOTE}.")
+
+
+@app.command()
+@user_errors
 def fetch(
     what: Annotated[str, typer.Argument(help="'model' or 'data'.")] = "model",
     name: Annotated[
@@ -266,6 +287,7 @@ def _split(values: list[str] | None) -> list[str]:
 
 @app.command("eval")
 @user_errors
+@needs_extra("eval", "kvbudget eval")
 def evaluate(
     out: Annotated[Path, typer.Option(help="Results directory (results.jsonl, report).")] = Path("runs/eval"),
     suite: Annotated[str | None, typer.Option(help="smoke, demo, standard or leaderboard.")] = None,
@@ -383,6 +405,7 @@ def evaluate(
         console.print(f"report: [bold]{write_report(out)}[/bold]")
 
 
+@needs_extra("eval", "kvbudget eval")
 def _check_eval(config: Any, out: Path) -> None:
     """Every field of an ``EvalConfig``, the model, the output folder and its results file, before
     ``run_eval`` creates the folder or loads the model. A torn last row is reported (it is dropped
@@ -462,6 +485,7 @@ def profile(
 
 @app.command()
 @user_errors
+@needs_extra("eval", "kvbudget tune")
 def tune(
     ratio: Annotated[float, typer.Option(help="Compression ratio: fraction of the text kept, in (0, 1).")],
     model: Annotated[str, typer.Option(help="Registry name, local HF directory or .gguf.")] = "smollm2-135m",
@@ -542,6 +566,7 @@ def tune(
 
 @app.command("report")
 @user_errors
+@needs_extra("eval", "kvbudget report")
 def report_command(
     out: Annotated[Path, typer.Argument(help="Results directory of `kvbudget eval`.")],
     resamples: Annotated[
@@ -558,6 +583,7 @@ def report_command(
 
 @app.command("pack")
 @user_errors
+@needs_extra("eval", "kvbudget pack")
 def pack_command(
     out: Annotated[Path, typer.Argument(help="Results directory of `kvbudget eval`.")],
 ) -> None:
@@ -579,6 +605,7 @@ def pack_command(
 
 @app.command()
 @user_errors
+@needs_extra("eval", "kvbudget demo")
 def demo(
     model: Annotated[str, typer.Option(help="Model to run the demo on.")] = "qwen2.5-coder-0.5b",
     length: Annotated[int, typer.Option(help="Needle prompt length in tokens.")] = 2048,
@@ -636,15 +663,23 @@ def bench(
             "not on disk (what it generates means nothing)."
         ),
     ] = False,
+    decode: Annotated[
+        str,
+        typer.Option(
+            help="eager, or static: the compressed cache in static buffers, one attention call per layer, a "
+            "CUDA graph per step on a GPU (methods that evict while decoding run eager; the row says why)."
+        ),
+    ] = "eager",
 ) -> None:
     """TTFT, TPOT, compression time, peak memory and KV bytes per method and context length."""
     if ctx.invoked_subcommand is not None:
         return
-    from kvbudget.bench.grid import BenchConfig, run_bench
+    with needs_extra("eval", "kvbudget bench"):
+        from kvbudget.bench.grid import BenchConfig, run_bench
 
     config = BenchConfig(
         model=model, repeats=repeats, new_tokens=new_tokens, dtype=dtype, threads=threads, batch=batch,
-        device=device, random_weights=random_weights,
+        device=device, random_weights=random_weights, decode=decode,
     )  # fmt: skip
     config.methods = _split(methods) or config.methods
     config.budgets = _ints(budgets, "budgets") or config.budgets
@@ -663,6 +698,7 @@ def bench(
 
 @bench_app.command("peer")
 @user_errors
+@needs_extra("eval", "kvbudget bench peer")
 def bench_peer(
     model: Annotated[str, typer.Option(help="Model (registry name or local HF directory).")] = "smollm2-135m",
     tasks: Annotated[list[str] | None, typer.Option(help="Tasks whose generators make the samples.")] = None,
@@ -707,6 +743,7 @@ def bench_peer(
     console.print(f"results: [bold]{path}[/bold]  report: [bold]{out / 'peer.md'}[/bold]")
 
 
+@needs_extra("eval", "kvbudget bench peer")
 def _check_peer(config: Any, out: Path) -> None:
     """A ``PeerConfig``, its kvpress Python, model and output folder, before ``run_peer`` starts."""
     from kvbudget.bench.peer import peer_python_path
@@ -725,6 +762,7 @@ def _check_peer(config: Any, out: Path) -> None:
 
 @bench_app.command("throughput")
 @user_errors
+@needs_extra("eval", "kvbudget bench throughput")
 def bench_throughput(
     model: Annotated[
         str, typer.Option(help="Model (registry name or local HF directory).")

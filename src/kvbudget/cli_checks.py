@@ -21,6 +21,7 @@ from kvbudget.errors import (
     PathError,
     UnsupportedModelError,
 )
+from kvbudget.extras import require_extra
 
 
 def text_file(path: Path, what: str) -> str:
@@ -181,6 +182,7 @@ def profile_prompt(spec: str) -> None:
     if source in ("builtin-text", "builtin-code"):
         return
     if source == "austen":
+        require_extra("eval", f"profile prompt {spec!r} (the Austen novels, read with rdata)")
         data_fetched("janeaustenr")
         return
     if source.startswith("stdlib/"):

@@ -38,6 +38,7 @@ from kvbudget.artifacts import (
     verify_sha256,
 )
 from kvbudget.errors import ArtifactError
+from kvbudget.extras import needs_extra
 
 
 @dataclass(frozen=True)
@@ -438,8 +439,9 @@ def read_lazyload_db(rdx: Path, rdb: Path) -> dict:
     ``.rdb``), ``references``, ``compressed``. Each ``.rdb`` blob is a 4-byte big-endian length and
     the zlib-compressed RDS serialisation of one object.
     """
-    import rdata  # deferred: pulls in pandas and xarray
-    from rdata.conversion import convert
+    with needs_extra("eval", "reading the R data of janeaustenr (the Austen novels)"):
+        import rdata  # an optional extra's package; pulls in pandas and xarray
+        from rdata.conversion import convert
 
     def parse(raw: bytes):
         return convert(rdata.parser.parse_data(raw, extension=".rds"))

@@ -33,7 +33,9 @@ from kvbudget.prefill import (
     run_lookahead,
 )
 from kvbudget.prune import prune_prefill
-from kvbudget.session import CompressionSession
+from kvbudget.session import CompressionSession, Phase
+from kvbudget.static_cache import StaticBudgetCache
+from kvbudget.static_decode import StaticDecoder, static_refusal
 
 
 @dataclass
@@ -189,9 +191,9 @@ def _next_token(
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def selection_layer(method: Method, row: int) -> int | None:
-    """The layer after which a prune-stage method cut batch row ``row`` (None: nothing pruned)."""
-    layers = getattr(method, "selection_layers", None)
+def selection_layer(session: CompressionSession, row: int) -> int | None:
+    """The layer after which a prune-stage method's run cut batch row ``row`` (None: nothing pruned)."""
+    layers = getattr(session.run, "selection_layers", None)
     return None if layers is None else layers[row]
 
 
@@ -231,7 +233,7 @@ def prefill_batch(
     if "prune" in session.method.stages:
         return prune_prefill(model, inputs, session)
     cache = BudgetCache(model.config.num_hidden_layers, session)
-    session.phase = "prefill"
+    session.phase = Phase.PREFILL
     logits = prefill_compressed_part(model, inputs, cache)
     run_lookahead(model, inputs, cache, logits, eos)
     question_logits = append_uncompressed(model, inputs, cache)
@@ -256,7 +258,7 @@ def prefill(
     (for two-pass methods: the selected tokens, re-indexed).
     """
     attach(model)
-    session.method.prepare(model)
+    session.bind(model)
     inputs = prefill_inputs(prompts, pad_id, compress_context_only)
     cache, logits, inputs = prefill_batch(model, inputs, session, eos)
     return cache, logits, inputs.mask, inputs.positions[:, -1]
@@ -320,6 +322,10 @@ class RunTimes:
         return self.decode / self.steps if self.steps else math.nan
 
 
+#: ``generate``'s decoding paths (its ``decode`` argument)
+DECODE_PATHS = ("eager", "static")
+
+
 @torch.inference_mode()
 def decode_loop(
     model: PreTrainedModel,
@@ -344,7 +350,7 @@ def decode_loop(
     first_start = time.perf_counter()
     generator = generator or torch.Generator().manual_seed(0)
     if cache.session is not None:
-        cache.session.phase = "decode"
+        cache.session.phase = Phase.DECODE
     token = _next_token(logits, temperature, top_p, generator)
     generated = [[int(t)] for t in token]
     finished = torch.tensor([int(t) in eos for t in token])
@@ -372,6 +378,44 @@ def decode_loop(
     return Decoded(generated, steps, time.perf_counter() - start, traces, step_seconds, first_token_seconds)
 
 
+@torch.inference_mode()
+def static_decode_loop(
+    model: PreTrainedModel,
+    cache: BudgetCache,
+    logits: torch.Tensor,
+    last_pos: torch.Tensor,
+    eos: set[int],
+    max_new_tokens: int,
+) -> Decoded:
+    """Greedy decoding as :func:`decode_loop`'s, over the compressed cache moved into a
+    :class:`~kvbudget.static_cache.StaticBudgetCache` (one attention call per layer; on CUDA each
+    step replays a captured CUDA graph). Only :func:`~kvbudget.static_decode.static_refusal`'s
+    ``None`` runs may use it. The steps run without reading tokens back; rows are cut at their
+    first EOS afterwards (the tokens a row would decode after its EOS are computed and dropped), so
+    ``steps`` counts every step run and ``trace`` stays empty.
+    """
+    first_start = time.perf_counter()
+    if cache.session is not None:
+        cache.session.phase = Phase.DECODE
+    token = logits.argmax(-1)
+    first = token.tolist()
+    first_token_seconds = time.perf_counter() - first_start
+    steps = max_new_tokens - 1
+    generated = [[t] for t in first]
+    if steps == 0 or all(t in eos for t in first):
+        return Decoded(generated, 0, 0.0, [[] for _ in first], [], first_token_seconds)
+    start = time.perf_counter()
+    static = StaticBudgetCache.from_budget_cache(cache, steps, rope=last_pos.to(torch.long) + 1)
+    tokens = StaticDecoder(model, static, token).run(steps).tolist()
+    seconds = time.perf_counter() - start
+    for row, more in zip(generated, tokens, strict=True):
+        for t in more:
+            if row[-1] in eos:
+                break
+            row.append(t)
+    return Decoded(generated, steps, seconds, [[] for _ in first], [], first_token_seconds)
+
+
 def _row_entries(cache: BudgetCache) -> list[int]:
     """Total logical entries of each batch row over all layers and KV heads."""
     return torch.stack([layer.head_lengths().sum(-1) for layer in cache.layers]).sum(0).tolist()
@@ -393,6 +437,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     return_cache: bool = False,
+    decode: str = "eager",
 ) -> GenerationResult | list[GenerationResult]:
     """Compress the prompt's KV cache with ``method`` and generate an answer.
 
@@ -407,6 +452,11 @@ def generate(
             question uncompressed.
         temperature, top_p, seed: sampling (greedy when ``temperature == 0``).
         return_cache: keep the cache on the result (``result.cache``) for inspection.
+        decode: ``"eager"`` (default) decodes over the ``BudgetCache``; ``"static"`` moves the
+            compressed cache into static buffers and decodes with one attention call per layer
+            (a CUDA graph per step on a GPU; :func:`static_decode_loop`), or eagerly where the run
+            cannot (:func:`~kvbudget.static_decode.static_refusal`: decode-stage methods,
+            sampling). ``result.cache`` then stays the compressed prompt's cache.
 
     Returns:
         A :class:`GenerationResult`, or a list of them for a batch.
@@ -420,6 +470,8 @@ def generate(
         raise InputError("context, question and answer_prefix lists must be non-empty and of equal length")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    if decode not in DECODE_PATHS:
+        raise InputError(f"decode must be one of {', '.join(DECODE_PATHS)}, got {decode!r}")
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
@@ -449,9 +501,12 @@ def generate(
     cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only, eos)
     prefill_wall = time.perf_counter() - start
     stats_after = [cache.stats(r) for r in range(len(prompts))]
-    decoded = decode_loop(
-        model, cache, logits, mask, last_pos, eos, max_new_tokens, temperature, top_p, generator
-    )  # fmt: skip
+    if decode == "static" and static_refusal(method_obj, cache, temperature) is None:
+        decoded = static_decode_loop(model, cache, logits, last_pos, eos, max_new_tokens)
+    else:
+        decoded = decode_loop(
+            model, cache, logits, mask, last_pos, eos, max_new_tokens, temperature, top_p, generator
+        )  # fmt: skip
     times = RunTimes.of(prefill_wall, session, decoded)
     generated = decoded.generated
 
@@ -485,7 +540,7 @@ def generate(
                 prompt_tokens=len(prompt.ids),
                 method=method_obj.name,
                 options=method_obj.options(),
-                selection_layer=selection_layer(method_obj, r),
+                selection_layer=selection_layer(session, r),
                 cache=cache if return_cache else None,
                 cache_trace=decoded.trace[r],
             )
@@ -521,10 +576,10 @@ def compress(
         attention_mask = torch.ones_like(input_ids)
     check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())
     attach(model)
-    method_obj.prepare(model)
-    session = CompressionSession(method_obj, model.config.num_hidden_layers, budget=budget, ratio=ratio)
+    layers = model.config.num_hidden_layers
+    session = CompressionSession(method_obj, layers, budget=budget, ratio=ratio, model=model)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = PrefillInputs(input_ids, attention_mask, positions, input_ids.shape[1])
     cache, _, _ = prefill_batch(model, inputs, session)
-    session.phase = "decode"
+    session.phase = Phase.DECODE
     return cache

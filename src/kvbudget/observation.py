@@ -13,6 +13,7 @@ and a sliding-window layer's queries see only the keys inside their window
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ class Observation:
         query: ``[b, q_heads, q, d]`` post-RoPE queries of the tokens of this forward.
         layer: the layer's cache (rectangular during a prefill: ``keys: [b, kv_heads, n, d]``).
         scaling: the attention's softmax scale.
+        run: the method's :class:`~kvbudget.methods.base.RunState` for this run (what the method
+            learned so far; set by the compression session), or ``None`` outside a run.
     """
 
     layer_idx: int
@@ -40,6 +43,7 @@ class Observation:
     layer: BudgetLayer
     scaling: float
     _memo: dict = field(default_factory=dict, repr=False)
+    run: Any = field(default=None, repr=False)
 
     @property
     def keys(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.cache import BudgetCache
+from kvbudget.session import Phase
 
 
 @dataclass
@@ -143,7 +144,7 @@ def append_uncompressed(
         return None
     session = cache.session
     if session is not None:
-        session.phase = "off"
+        session.phase = Phase.OFF
     cut = inputs.compressed_until
     logits = forward_last_logits(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
     if session is not None:

@@ -32,7 +32,7 @@ from kvbudget.cache import BudgetCache
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.prune_base import PruneMethod
 from kvbudget.prefill import PrefillInputs, Snapshot, append_uncompressed
-from kvbudget.session import CompressionSession, replay_prefill
+from kvbudget.session import CompressionSession, Phase, replay_prefill
 
 
 @dataclass
@@ -161,6 +161,7 @@ def _run_from(
     ``pruned``: ``seq`` already lost tokens. See :func:`run_layers` for ``method`` and the result."""
     rotary = parts.rope(seq.hidden, seq.rope)
     targets = cache.session.targets if cache.session is not None else None
+    run = cache.session.run if method is not None else None
     try:
         for index, layer in enumerate(parts.layers[start:], start):
             cache.pruned_slots = (seq.slots, total) if pruned else None
@@ -174,10 +175,10 @@ def _run_from(
                 continue
             if method.two_pass:
                 targets = targets if targets is not None else cache.session.targets
-                if method.scouting and method.selected and method.scouting_done(targets):
+                if run.scouting and run.selected and run.scouting_done(targets):
                     return None
                 continue
-            cuts = method.take_cuts()
+            cuts = run.take_cuts()
             if cuts:
                 seq = seq.cut(cuts)
                 rotary = parts.rope(seq.hidden, seq.rope)
@@ -217,9 +218,9 @@ def prune_prefill(
     """
     method = _prune_method(session)
     num_layers = model.config.num_hidden_layers
-    method.begin_prune(inputs.ids.shape[0], num_layers)
+    method.begin_prune(session.run, inputs.ids.shape[0], num_layers)
     cache = BudgetCache(num_layers, session)
-    session.phase = "prefill"
+    session.phase = Phase.PREFILL
     cut = inputs.compressed_until
     logits = run_layers(
         model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method
@@ -240,18 +241,19 @@ def derive_pruned(
     the snapshot and runs its second pass as usual. A method that never cuts runs no forward.
     """
     method = _prune_method(session)
+    run = session.run
     inputs = snapshot.inputs
     num_layers = model.config.num_hidden_layers
-    method.begin_prune(inputs.ids.shape[0], num_layers)
+    method.begin_prune(run, inputs.ids.shape[0], num_layers)
     cache = BudgetCache(num_layers, session)
     logits: torch.Tensor | None = snapshot.logits
     for layer_idx in replay_prefill(cache, snapshot.cache.layers, snapshot.queries, snapshot.scaling):
         if method.two_pass:
-            if method.selected and method.scouting_done(session.targets):
+            if run.selected and run.scouting_done(session.targets):
                 logits = None
                 break
             continue
-        cuts = method.take_cuts()
+        cuts = run.take_cuts()
         if cuts:
             session.observation_memos = None  # deeper layers see only the kept tokens
             parts = decoder_parts(model)
@@ -291,17 +293,18 @@ def _finish(
     unselected otherwise is a method bug: a ``RuntimeError``, not a silently full cache.
     """
     method = _prune_method(session)
+    run = session.run
     num_layers = model.config.num_hidden_layers
     targets = session.targets
-    if method.two_pass and targets is not None and not method.scouting_done(targets):
-        rows = [r for r, t in enumerate(targets) if t is not None and r not in method.selected]
+    if method.two_pass and targets is not None and not run.scouting_done(targets):
+        rows = [r for r, t in enumerate(targets) if t is not None and r not in run.selected]
         raise RuntimeError(f"{method.name}: pass 1 selected no tokens for rows {rows} over the budget")
-    if method.two_pass and method.selected:
-        inputs = _second_pass_inputs(inputs, method.selected)
-        method.begin_second_pass()
+    if method.two_pass and run.selected:
+        inputs = _second_pass_inputs(inputs, run.selected)
+        run.scouting = False  # the second pass runs the selected tokens only
         session.kept = None
         cache = BudgetCache(num_layers, session)
-        session.phase = "prefill"
+        session.phase = Phase.PREFILL
         cut = inputs.compressed_until
         logits = run_layers(
             model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method

@@ -1,7 +1,9 @@
 """CompressionSession: what the attention hook calls after each layer's attention.
 
-The engine creates one per run and puts it on the :class:`~kvbudget.cache.BudgetCache`. Its
-``phase`` says what the next forward is: ``"prefill"`` (compress each layer right after its
+The engine creates one per run and puts it on the :class:`~kvbudget.cache.BudgetCache`; it owns
+the method's run state (``run``, from :meth:`~kvbudget.methods.base.Method.start`), so one method
+object serves many sessions at once. Its ``phase`` (a :class:`Phase`) says what the next forward
+is: ``"prefill"`` (compress each layer right after its
 attention, so peak memory stays near one full layer plus the compressed rest; post-prefill methods
 only record each layer and compress all of them after the last one), ``"decode"``
 (decode-stage methods trim each layer back to budget after every step), ``"record"`` (keep each
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,19 +28,60 @@ from kvbudget.observation import Observation
 
 if TYPE_CHECKING:
     from kvbudget.cache import BudgetCache, BudgetLayer
-    from kvbudget.methods.base import Method
+
+
+class SessionMethod(Protocol):
+    """What a session needs of a method (:class:`kvbudget.methods.base.Method` implements it): the
+    session sits below the methods, which run sessions of their own (a lookahead's clone, KVzip's
+    reconstruction pass)."""
+
+    stages: tuple[str, ...]
+    cascading: bool
+
+    @property
+    def edits_earlier_layers(self) -> bool: ...
+
+    def start(self, model: Any = None) -> Any: ...
+
+    def queries_to_record(self) -> int: ...
+
+    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor: ...
+
+    def rebalance(self, layers: list, targets: list[int | None], run: Any) -> None: ...
+
+    def record(self, obs: Observation, targets: list[int | None]) -> None: ...
+
+    def post_prefill(self, layers: list, targets: list[int | None], run: Any) -> None: ...
+
+    def decode_step(self, obs: Observation, row_budgets: list[int]) -> None: ...
+
+
+class Phase(StrEnum):
+    """What a session's next forward is (the module docstring says what each does)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    RECORD = "record"
+    OFF = "off"
+    #: KVzip's reconstruction pass (its own session, :mod:`kvbudget.methods.kvzip`)
+    RECONSTRUCT = "reconstruct"
 
 
 class CompressionSession:
     """Budget bookkeeping for one run of one method.
 
     Args:
-        method: the method object (fresh per run).
+        method: the method (its configuration; may serve other sessions at the same time).
         num_layers: decoder layers.
         budget: entries per KV head on average, window included, or ``None`` with ``ratio``.
         ratio: fraction of each prompt to keep, or ``None`` with ``budget``.
+        model: the model the run uses, for what the method binds from it (profiles, filters);
+            ``None`` for a method that needs nothing from it.
+        run: the run state to use (default: ``method.start(model)``, a fresh one).
 
     Attributes:
+        run: the method's :class:`~kvbudget.methods.base.RunState` for this run.
+        phase: the :class:`Phase` of the next forward.
         kept: ``[batch, layers, kv_heads]`` entries kept per head after the prefill (filled as
             layers are compressed; an uncompressed row keeps its whole length).
         row_budgets: per batch row, the resolved budget in entries per head.
@@ -62,13 +106,21 @@ class CompressionSession:
     """
 
     def __init__(
-        self, method: Method, num_layers: int, budget: int | None = None, ratio: float | None = None
+        self,
+        method: SessionMethod,
+        num_layers: int,
+        budget: int | None = None,
+        ratio: float | None = None,
+        model: Any = None,
+        run: Any = None,
     ):
         self.method = method
         self.num_layers = num_layers
         self.budget = budget
         self.ratio = ratio
-        self.phase = "prefill"
+        self.run = method.start(model) if run is None else run
+        self._bound_to = model  # the model the run was started with
+        self.phase = Phase.PREFILL
         self.kept: torch.Tensor | None = None
         self.row_budgets: list[int] | None = None
         self.targets: list[int | None] | None = None
@@ -81,6 +133,14 @@ class CompressionSession:
         self.scaling: float | None = None
         self.observation_memos: dict[int, dict] | None = None
         self.prompt_ids: torch.Tensor | None = None
+
+    def bind(self, model: Any) -> None:
+        """Make sure the run is bound to ``model`` (what the method needs from it: profiles,
+        filters), as a prefill does before its first forward: a run started without it (or with
+        another model) is started afresh."""
+        if self._bound_to is not model:
+            self.run = self.method.start(model)
+            self._bound_to = model
 
     def clock(self, device: torch.device) -> float:
         """``time.perf_counter()``, after ``device``'s queued work when :attr:`synchronize` is on."""
@@ -103,7 +163,7 @@ class CompressionSession:
     ) -> Observation:
         memos = self.observation_memos
         memo = {} if memos is None else memos.setdefault(layer_idx, {})
-        return Observation(layer_idx, self.num_layers, query, layer, scaling, memo)
+        return Observation(layer_idx, self.num_layers, query, layer, scaling, memo, run=self.run)
 
     def resolve(self, lengths: torch.Tensor) -> None:
         """Set ``row_budgets`` and ``targets`` from the valid prompt ``lengths: [b]``."""
@@ -119,14 +179,15 @@ class CompressionSession:
         """Add ``counts[r]`` entries appended to row ``r`` after the compression, uncompressed
         and outside the budget (the question, question-agnostic): decoding holds them too, rather
         than evicting the question back to the budget at its first step."""
-        self.method.set_appended([self.method.appended(r) + int(n) for r, n in enumerate(counts)])
+        run = self.run
+        run.appended = [run.appended_to(r) + int(n) for r, n in enumerate(counts)]
 
     def decode_budgets(self) -> list[int]:
         """Per row, the entries per head a decode-stage method holds: the budget plus what was
-        appended uncompressed after the compression (``method.appended(r)``; a method with a
+        appended uncompressed after the compression (``run.appended_to(r)``; a method with a
         per-layer plan adds it to each layer's limit)."""
         assert self.row_budgets is not None
-        return [b + self.method.appended(r) for r, b in enumerate(self.row_budgets)]
+        return [b + self.run.appended_to(r) for r, b in enumerate(self.row_budgets)]
 
     def after_attention(
         self,
@@ -142,10 +203,10 @@ class CompressionSession:
         after each prefilled one (``Method.cascading``).
         """
         stages = self.method.stages
-        if self.phase == "record":
+        if self.phase == Phase.RECORD:
             self.recorded_queries[layer_idx] = query
             self.scaling = scaling
-        elif self.phase == "prefill":
+        elif self.phase == Phase.PREFILL:
             start = self.clock(query.device)
             keep_queries = self.method.queries_to_record()
             if keep_queries:
@@ -157,7 +218,7 @@ class CompressionSession:
                     self.resolve(obs.lengths)
                 kept = self.method.compress_layer(obs, self.targets)
                 if self.method.cascading and layers is not None:
-                    self.method.rebalance(layers[: layer_idx + 1], self.targets)
+                    self.method.rebalance(layers[: layer_idx + 1], self.targets, self.run)
                     for earlier in range(layer_idx):
                         self.kept[:, earlier] = layers[earlier].head_lengths().cpu()
             else:
@@ -171,13 +232,13 @@ class CompressionSession:
                 self.kept = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
             self.kept[:, layer_idx] = kept
             if "post_prefill" in stages and layers is not None and layer_idx == self.num_layers - 1:
-                self.method.post_prefill(layers, self.targets)
+                self.method.post_prefill(layers, self.targets, self.run)
                 for i, compressed in enumerate(layers):
                     self.kept[:, i] = compressed.head_lengths().cpu()
             self.compress_seconds += self.clock(query.device) - start
-        elif self.phase == "decode" and "decode" in stages and self.row_budgets is not None:
+        elif self.phase == Phase.DECODE and "decode" in stages and self.row_budgets is not None:
             start = self.clock(query.device)
-            obs = Observation(layer_idx, self.num_layers, query, layer, scaling)
+            obs = Observation(layer_idx, self.num_layers, query, layer, scaling, run=self.run)
             self.method.decode_step(obs, self.decode_budgets())
             self.decode_seconds += self.clock(query.device) - start
 
@@ -201,7 +262,7 @@ def replay_prefill(
     """
     session = cache.session
     cache.attention_attached = True
-    session.phase = "prefill"
+    session.phase = Phase.PREFILL
     for layer_idx, full in enumerate(full_layers):
         cache.layers[layer_idx] = full.shallow_copy() if copy is None else copy(full)
         session.after_attention(layer_idx, queries[layer_idx], cache.layers[layer_idx], scaling, cache.layers)

@@ -38,7 +38,7 @@ from kvbudget.prefill import (
     run_lookahead,
 )
 from kvbudget.prune import decoder_parts, derive_pruned
-from kvbudget.session import CompressionSession, replay_prefill
+from kvbudget.session import CompressionSession, Phase, replay_prefill
 
 
 @torch.inference_mode()
@@ -50,7 +50,7 @@ def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs, hidden_states: 
     """
     attach(model)
     recorder = CompressionSession(FullCache(), model.config.num_hidden_layers, budget=1)
-    recorder.phase = "record"
+    recorder.phase = Phase.RECORD
     cache = BudgetCache(model.config.num_hidden_layers, recorder)
     hidden: list[torch.Tensor] = []
     hooks = []
@@ -99,8 +99,7 @@ def derive(
     position ``[b]`` to decode from (for a two-pass method that selected: its re-indexed tokens').
     """
     num_layers = model.config.num_hidden_layers
-    method.prepare(model)
-    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio)
+    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model)
     session.observation_memos = snapshot.memos
     if "prune" in method.stages:
         if snapshot.hidden is None:
@@ -110,13 +109,13 @@ def derive(
                 "take it with take_snapshot(..., hidden_states=True)"
             )
         cache, logits, inputs = derive_pruned(model, snapshot, session)
-        session.phase = "decode"
+        session.phase = Phase.DECODE
         return cache, logits, inputs.mask, inputs.positions[:, -1]
     cache = BudgetCache(num_layers, session)
     for _ in replay_prefill(cache, snapshot.cache.layers, snapshot.queries, snapshot.scaling):
         pass  # every layer
     run_lookahead(model, snapshot.inputs, cache, snapshot.logits, eos)
     logits = append_uncompressed(model, snapshot.inputs, cache)
-    session.phase = "decode"
+    session.phase = Phase.DECODE
     inputs = snapshot.inputs
     return cache, snapshot.logits if logits is None else logits, inputs.mask, inputs.positions[:, -1]

@@ -15,12 +15,37 @@ own decode policy and are not served by this path.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
+from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.prune import decoder_parts
 from kvbudget.static_cache import StaticBudgetCache
+
+
+def static_refusal(method: Any, cache: BudgetCache, temperature: float = 0.0) -> str | None:
+    """Why a run cannot decode over a static cache (``None``: it can). The reasons are the
+    static path's limits, not errors: such a run decodes eagerly over its ``BudgetCache``.
+
+    - a decode-stage method evicts while decoding (StreamingLLM, H2O, TOVA, D2O, CAKE, R-KV,
+      KeyDiff, Q-Filters, CaM, BaKlaVa/SqueezeAttention, ...): its eviction reads scores and picks
+      entries on the host each step;
+    - sampling (``temperature > 0``) draws each token from a host generator;
+    - a layer stores one head per query head (LAQ's ``budget_per="query-head"``), which the
+      model's KV-head writes do not fill.
+    """
+    if "decode" in method.stages:
+        return f"{method.name} evicts while decoding (its eviction runs on the host every step)"
+    if temperature > 0:
+        return "sampling draws each token on the host"
+    layers = cache.layers
+    model_heads = {layer.num_heads for layer in layers}
+    if any(type(layer) is not BudgetLayer for layer in layers) or len(model_heads) != 1:
+        return "a layer stores its heads in another layout (one per query head)"
+    return None
 
 
 class StaticDecoder:

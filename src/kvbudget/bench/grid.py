@@ -46,6 +46,7 @@ class BenchConfig:
     batch: int = 1  # rows decoded together (see MeasureSpec.batch)
     device: str = "cpu"  # cpu, cuda or auto (see MeasureSpec.device)
     random_weights: bool = False  # see MeasureSpec.random_weights
+    decode: str = "eager"  # eager or static (see MeasureSpec.decode)
 
     def validate(self) -> None:
         from kvbudget.eval.runner import MethodSpec
@@ -60,6 +61,8 @@ class BenchConfig:
             raise KVBudgetError(f"repeats must be ≥ 1, got {self.repeats}")
         if self.batch < 1:
             raise KVBudgetError(f"batch must be ≥ 1, got {self.batch}")
+        if self.decode not in ("eager", "static"):
+            raise KVBudgetError(f"decode must be eager or static, got {self.decode!r}")
         if self.new_tokens < 2:
             raise KVBudgetError(f"new_tokens must be ≥ 2 (TPOT needs a decode step), got {self.new_tokens}")
 
@@ -87,6 +90,7 @@ class BenchConfig:
                                 self.batch,
                                 self.device,
                                 self.random_weights,
+                                self.decode,
                             )  # fmt: skip
                         )
         return out
@@ -95,9 +99,11 @@ class BenchConfig:
 def run_key(spec: MeasureSpec | dict[str, Any]) -> str:
     d = asdict(spec) if isinstance(spec, MeasureSpec) else spec
     keys = ("model", "method", "length", "budget", "new_tokens", "dtype", "task", "seed", "repeat")
-    # runs before `batch` had 1; CPU rows and real weights keep their earlier keys
-    extra = ([d["device"]] if d.get("device", "cpu") != "cpu" else []) + (
-        ["random"] if d.get("random_weights") else []
+    # runs before `batch` had 1; CPU rows, real weights and eager decoding keep their earlier keys
+    extra = (
+        ([d["device"]] if d.get("device", "cpu") != "cpu" else [])
+        + (["random"] if d.get("random_weights") else [])
+        + (["static"] if d.get("decode", "eager") == "static" else [])
     )
     return json.dumps([d[k] for k in keys] + [d.get("batch", 1)] + extra)
 

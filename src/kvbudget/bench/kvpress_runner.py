@@ -14,8 +14,15 @@ Timing, as kvbudget's side measures it: ``prefill_s`` runs from the start to the
 logits (context prefill with compression, plus the question's forward when question-agnostic),
 ``decode_s`` from there to the last token (first token's argmax included), ``wall_s`` is their
 sum; ``compress_s`` is the time spent in the press's ``compress`` (scoring, selection, gathering
-the kept entries), summed over the layers; ``step_s`` each decode step's seconds (its forward and
-the choice of its token). Counting the cache's entries is not timed.
+the kept entries), summed over the layers, plus what the press does on leaving its context after
+the prefill (KVzip's and KVgrad's replay of the context, KVCompose's selection; next to nothing for
+the others); ``step_s`` each decode step's seconds (its forward and the choice of its token).
+Counting the cache's entries is not timed.
+
+A job with ``"question_delimiter": true`` (FINCH, question-aware only) prefills the context, a
+delimiter id and the question (:func:`finch_prompt`). After a press that re-rotates the kept keys
+(FINCH, ``KeyRerotationPress``) the question and the answer continue at the cache's length, as in
+kvpress's pipeline.
 
 ``--serve`` keeps the process: after loading the model (and the warm-up) it prints ``READY``, then
 answers one request per stdin line, ``{"sample": i, "job": j}`` (indices into the samples and
@@ -70,7 +77,7 @@ def make_press(job: dict, k_len: int):
         budget = job["budget"]
         ratio = 0.0 if budget >= k_len else 1.0 - (budget + 0.25) / k_len
     cls = getattr(kvpress, job["press"])
-    if "inner" in job:  # a wrapper press (AdaKVPress) around a scorer press
+    if "inner" in job:  # a wrapper press (AdaKV, ChunkKV, CriticalKV, Merging, Block) around a scorer
         inner_cls = getattr(kvpress, job["inner"]["press"])
         inner = inner_cls(compression_ratio=ratio, **job["inner"].get("kwargs", {}))
         return cls(press=inner, **job.get("kwargs", {}))
@@ -102,6 +109,30 @@ def _timed(compress: Callable, total: list[float]) -> Callable:
     return timed
 
 
+def finch_prompt(press, model, sample: dict) -> torch.Tensor:
+    """FINCH's prefill ids: context, a delimiter id, question. FinchPress takes the ids after the
+    delimiter (the question) as its window and drops the delimiter from the embeddings before the
+    first layer, so any id the embedding table holds and the prompt lacks serves: the table's last
+    row (past the tokenizer's vocabulary in Qwen2.5 and Llama 3; kvpress's pipeline adds a token to
+    the tokenizer and resizes the embeddings instead)."""
+    ids = sample["context_ids"] + sample["question_ids"]
+    delimiter = model.get_input_embeddings().num_embeddings - 1
+    if delimiter in ids:
+        raise ValueError(f"the delimiter id {delimiter} (the embeddings' last row) occurs in the prompt")
+    press.delimiter_token_id = delimiter
+    return torch.tensor([sample["context_ids"] + [delimiter] + sample["question_ids"]])
+
+
+def rerotates_keys(press) -> bool:
+    """Whether ``press`` moves the kept keys to positions 0 … k − 1, so that the tokens after the
+    compressed prefill continue at the cache's length (kvpress's pipeline makes the same test)."""
+    import kvpress
+
+    return isinstance(press, kvpress.KeyRerotationPress) or (
+        isinstance(press, kvpress.FinchPress) and press.rerotate_keys
+    )
+
+
 @torch.inference_mode()
 def run_one(model, sample: dict, job: dict) -> dict:
     from transformers import DynamicCache
@@ -113,6 +144,11 @@ def run_one(model, sample: dict, job: dict) -> dict:
     if aware:
         ctx, question = torch.cat([ctx, question], 1), question[:, :0]
     press = make_press(job, ctx.shape[1])
+    prefill_ids = ctx
+    if job.get("question_delimiter"):
+        if not aware:
+            raise ValueError(f"{job['press']} needs the question in the prefill: run it question-aware")
+        prefill_ids = finch_prompt(press, model, sample)
     compress_s = [0.0]
     if press is not None:
         press.compress = _timed(press.compress, compress_s)  # this instance only
@@ -121,16 +157,19 @@ def run_one(model, sample: dict, job: dict) -> dict:
     start = time.perf_counter()
     with press(model) if press is not None else contextlib.nullcontext():
         if aware:  # the prompt's last logits come from the compressed prefill itself
-            out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+            out = model(input_ids=prefill_ids, past_key_values=cache, logits_to_keep=1)
         else:
-            model.model(input_ids=ctx, past_key_values=cache)
+            model.model(input_ids=prefill_ids, past_key_values=cache)
+        prefilled_context = time.perf_counter()
     context_s = time.perf_counter() - start  # the compressed context prefill
+    compress_s[0] += context_s - (prefilled_context - start)  # the press's work on leaving its context
     kept, allocated = cache_entries(cache, model)  # not timed
     resumed = time.perf_counter()
+    next_position = cache.get_seq_length() if rerotates_keys(press) else ctx.shape[1]
     if aware:
-        positions = torch.tensor([[ctx.shape[1] - 1]])
+        positions = torch.tensor([[next_position - 1]])
     else:
-        positions = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
+        positions = torch.arange(next_position, next_position + question.shape[1])[None]
         out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
     prefilled = time.perf_counter()
     token = out.logits[0, -1].argmax()
@@ -258,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), local_files_only=True
     ).eval()
+    config = model.config
+    if getattr(config, "head_dim", None) is None:  # Qwen2's config leaves it out (its attention computes
+        config.head_dim = config.hidden_size // config.num_attention_heads  # it so); CriticalKV reads it
     with open(args.samples) as fh:
         samples = [json.loads(line) for line in fh if line.strip()]
 

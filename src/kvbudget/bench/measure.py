@@ -56,6 +56,10 @@ class MeasureSpec:
             ``gpu_peak_bytes``: the allocator's peak over the measured prefill and decode.
         random_weights: build the model from its ``config.json`` with random weights
             (:func:`kvbudget.load_model`): the speed and memory of a size not on disk.
+        decode: ``eager`` (over the ``BudgetCache``) or ``static`` (static buffers, one attention
+            call per layer, a CUDA graph per step on a GPU: :func:`kvbudget.engine.static_decode_loop`);
+            a method the static path does not serve decodes eagerly and the row's ``decode_path``
+            says so (``static_refusal``).
     """
 
     model: str = "smollm2-135m"
@@ -70,6 +74,7 @@ class MeasureSpec:
     batch: int = 1
     device: str = "cpu"
     random_weights: bool = False
+    decode: str = "eager"
 
 
 def fit_prompt(tokenizer, task: str, length: int, seed: int = 0):
@@ -116,10 +121,11 @@ def timed_prefill(
 
 def measure(spec: MeasureSpec) -> dict[str, Any]:
     """Run ``spec`` in this process and return its row (see :mod:`kvbudget.bench.grid`)."""
-    from kvbudget.engine import RunTimes, decode_loop, prefill
+    from kvbudget.engine import RunTimes, decode_loop, prefill, static_decode_loop
     from kvbudget.eval.runner import MethodSpec
     from kvbudget.models import load_model
     from kvbudget.session import CompressionSession
+    from kvbudget.static_decode import static_refusal
 
     model, tokenizer = load_model(
         spec.model, dtype=spec.dtype, device=spec.device, random_weights=spec.random_weights
@@ -137,7 +143,11 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     warm = type(prompt)(prompt.ids[: min(len(prompt.ids), 2 * budget + 64)], [])
     session = CompressionSession(MethodSpec.parse(spec.method).build(), layers, budget=budget)
     cache, logits, mask, last = prefill(model, [warm] * spec.batch, session, pad_id)
-    decode_loop(model, cache, logits, mask, last, set(), 3, trace=False)
+    refusal = static_refusal(session.method, cache) if spec.decode == "static" else "eager asked for"
+    if refusal is None:
+        static_decode_loop(model, cache, logits, last, set(), 3)
+    else:
+        decode_loop(model, cache, logits, mask, last, set(), 3, trace=False)
     del cache, logits, session
     gc.collect()
 
@@ -149,7 +159,10 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     session = CompressionSession(method, layers, budget=budget)
     cache, logits, mask, last, prefill_wall = timed_prefill(model, [prompt] * spec.batch, session, pad_id)
     after_prefill = cache.stats()
-    decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
+    if refusal is None:
+        decoded = static_decode_loop(model, cache, logits, last, set(), spec.new_tokens)
+    else:
+        decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
     times = RunTimes.of(prefill_wall, session, decoded)
     after_decode = cache.stats()
     peak = peak_rss_bytes()
@@ -157,6 +170,8 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     return {
         **asdict(spec),
         "prompt_tokens": len(prompt.ids),
+        "decode_path": "static" if refusal is None else "eager",
+        **({"static_refusal": refusal} if spec.decode == "static" and refusal is not None else {}),
         "ttft_s": times.ttft,
         "tpot_s": times.tpot,
         "compress_s": times.compress,

@@ -39,19 +39,13 @@ from tqdm.auto import tqdm
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.runner import EvalConfig, MethodSpec, Runner
 from kvbudget.eval.sample import Sample
-
-#: What a user installs to run distributed evaluations.
-RAY_EXTRA = "pip install 'kvbudget[ray]'"
+from kvbudget.extras import needs_extra
 
 
 def require_ray() -> Any:
-    """The ``ray`` module, or a one-line :class:`KVBudgetError` naming the extra to install."""
-    try:
+    """The ``ray`` module, or a one-line :class:`~kvbudget.errors.MissingExtraError` naming the extra."""
+    with needs_extra("ray", "distributed evaluation (--workers, --ray-address)"):
         import ray
-    except ImportError:
-        raise KVBudgetError(
-            f"distributed evaluation (--workers, --ray-address) needs Ray: {RAY_EXTRA}"
-        ) from None
     return ray
 
 

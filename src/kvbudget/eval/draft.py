@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from kvbudget.cache import BudgetCache
 from kvbudget.engine import decode_loop
+from kvbudget.session import Phase
 
 
 @dataclass
@@ -104,7 +105,7 @@ def decode_with_draft(
     if not draft:
         raise ValueError("decode_with_draft needs a draft of at least one token")
     if cache.session is not None:
-        cache.session.phase = "decode"
+        cache.session.phase = Phase.DECODE
     feed = draft[:-1]
     rows = [logits[0]]
     if step_by_step:

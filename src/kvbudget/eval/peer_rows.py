@@ -52,10 +52,19 @@ from kvbudget.eval.report import PEER_PREFIX as PREFIX  # every kvpress row's me
 DEFAULT_PEER_PYTHON = Path(".venv-peer/bin/python")
 
 #: kvpress's presses under the names of kvpress's own evaluation registry
-#: (``evaluation/evaluate_registry.py``, ``PRESS_REGISTRY``) and with the settings it runs them at
-#: — class defaults, except ``expected_attention``, which that registry runs as
-#: ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``; ObservedAttention needs eager attention.
-#: ``no_press`` (the full cache in kvpress's environment) is not in ``all``.
+#: (``evaluation/evaluate_registry.py``, ``PRESS_REGISTRY``, kvpress 0.5.5's source distribution) and
+#: with the settings it runs them at — class defaults unless given. ``kwargs`` go to the press,
+#: ``inner`` is the scorer press a wrapper takes as ``press`` (the ratio goes to the scorer);
+#: ``attn`` the attention the model runs with (ObservedAttention needs eager attention);
+#: ``question_delimiter``: FINCH's prompt, context + a delimiter id + question — its window is the
+#: question, so it runs question-aware only (``all`` leaves it out of question-agnostic runs).
+#: Not in that registry, at their class defaults: ``leverage`` and ``non_causal_attn`` (Compactor's
+#: two scorers alone) and ``cap`` (CapPress, added after the registry). ``NAME@paper``: the SnapKV
+#: paper's window 32 and pooling kernel 7 (arXiv:2404.14469; PyramidKV and AdaKV compare at those,
+#: PyramidKV with its β = 20, kvpress's default) in place of kvpress's window 64 and kernel 5 — the
+#: settings of kvbudget's ``snapkv`` / ``ada-snapkv`` / ``pyramidkv``; the paper's max pooling cannot
+#: be set (kvpress's SnapKV always average-pools). ``no_press`` (the full cache in kvpress's
+#: environment) is not in ``all``.
 PRESSES: dict[str, dict[str, Any]] = {
     "snapkv": {"press": "SnapKVPress"},
     "streaming_llm": {"press": "StreamingLLMPress"},
@@ -68,23 +77,152 @@ PRESSES: dict[str, dict[str, Any]] = {
     "observed_attention": {"press": "ObservedAttentionPress", "attn": "eager"},
     "adakv_snapkv": {"press": "AdaKVPress", "inner": {"press": "SnapKVPress"}},
     "pyramidkv": {"press": "PyramidKVPress"},
+    # --- kvpress 0.5.5's other prefill presses (issue #45, "kvpress at its best") ---
+    "kvzip": {"press": "KVzipPress"},  # context reconstruction: two to three prefills
+    "kvzip_plus": {"press": "KVzipPress", "kwargs": {"kvzip_plus_normalization": True}},
+    "kvgrad": {"press": "KVgradPress"},  # KVzip's replay with a backward pass per chunk
+    "chunkkv": {"press": "ChunkKVPress", "inner": {"press": "SnapKVPress"}, "kwargs": {"chunk_length": 20}},
+    "entropy_gated_chunkkv": {"press": "EntropyGatedChunkKVPress", "inner": {"press": "SnapKVPress"}},
+    "lagkv": {"press": "LagKVPress"},
+    "compactor": {"press": "CompactorPress"},
+    "adakv_compactor": {"press": "AdaKVPress", "inner": {"press": "CompactorPress"}},
+    "leverage": {"press": "LeverageScorePress"},
+    "non_causal_attn": {"press": "NonCausalAttnPress"},
+    "cur": {"press": "CURPress"},
+    "cap": {"press": "CapPress"},
+    "finch": {"press": "FinchPress", "question_delimiter": True},
+    "block_keydiff": {
+        "press": "BlockPress", "inner": {"press": "KeyDiffPress"}, "kwargs": {"block_size": 128}
+    },
+    "critical_snapkv": {"press": "CriticalKVPress", "inner": {"press": "SnapKVPress"}},
+    "critical_adakv_snapkv": {"press": "CriticalAdaKVPress", "inner": {"press": "SnapKVPress"}},
+    "critical_expected_attention": {
+        "press": "CriticalKVPress",
+        "inner": {"press": "ExpectedAttentionPress", "kwargs": {"use_vnorm": False}},
+    },
+    "critical_adakv_expected_attention": {
+        "press": "CriticalAdaKVPress",
+        "inner": {"press": "ExpectedAttentionPress", "kwargs": {"use_vnorm": False}},
+    },
+    "merging_knorm": {"press": "MergingPress", "inner": {"press": "KnormPress"}},
+    "merging_snapkv": {"press": "MergingPress", "inner": {"press": "SnapKVPress"}},
+    "merging_expected_attention": {
+        "press": "MergingPress", "inner": {"press": "ExpectedAttentionPress", "kwargs": {"epsilon": 0.01}}
+    },
+    "random": {"press": "RandomPress"},
+    # --- the SnapKV paper's settings beside kvpress's defaults ---
+    "snapkv@paper": {"press": "SnapKVPress", "kwargs": {"window_size": 32, "kernel_size": 7}},
+    "adakv_snapkv@paper": {
+        "press": "AdaKVPress",
+        "inner": {"press": "SnapKVPress", "kwargs": {"window_size": 32, "kernel_size": 7}},
+    },
+    "pyramidkv@paper": {
+        "press": "PyramidKVPress", "kwargs": {"window_size": 32, "kernel_size": 7, "beta": 20}
+    },
     "no_press": {"press": None},
 }  # fmt: skip
-#: other spellings accepted on the command line
-ALIASES = {"streamingllm": "streaming_llm", "adakv": "adakv_snapkv", "ada-snapkv": "adakv_snapkv"}
+#: kvpress 0.5.5's presses that cannot run here, each with the reason (``press_names`` refuses them
+#: with it): those that load trained weights, head patterns or statistics from the Hugging Face hub or
+#: GitHub (the leaderboard runs offline, and most are published for a few large models only), those
+#: that do not compress the prefill at a compression ratio, and wrappers or utilities that only make
+#: sense around other presses. Names as kvpress's registry spells them, else the class's name.
+_KVZAP = "KVzapPress loads its trained surrogate model from the hub"
+_DECODING = "compresses while decoding (to 2048 entries every 512 steps), not the prefill"
+UNAVAILABLE_PRESSES: dict[str, str] = {
+    "qfilter": "QFilterPress loads the authors' trained Q-filters from the hub (nthngdy/<model>_qfilt) on "
+    "entering the press; it takes no filters of ours (kvbudget's own `qfilter` computes them locally)",
+    "fastkvzip": "FastKVzipPress loads the authors' trained gates from the hub (Jang-Hyun/Fast-KVzip)",
+    "restorekv": "RestoreKVPress loads restore embeddings and LoRA adapters from the hub "
+    "(higokri/RestoreKV-<model>)",
+    "restorekv_plus": "RestoreKVPress loads restore embeddings and LoRA adapters from the hub "
+    "(higokri/RestoreKV-<model>_plus)",
+    "kvzap_linear": _KVZAP + " (under DMSPress's threshold)",
+    "kvzap_mlp": _KVZAP + " (under DMSPress's threshold)",
+    "kvzap_mlp_head": _KVZAP,
+    "kvzap_mlp_layer": _KVZAP,
+    "merging_kvzap_mlp": _KVZAP,
+    "duo_attention": "DuoAttentionPress downloads head patterns from GitHub (mit-han-lab/duo-attention), "
+    "published for a few large models only",
+    "duo_attention_on_the_fly": "DuoAttentionPress's on-the-fly head patterns need the BookSum data set "
+    "from the hub",
+    "expected_attention_stats": "ExpectedAttentionStatsPress loads query statistics from the hub (or "
+    "computes them on the BookSum data set from the hub)",
+    "lukv": "LUKVPress downloads budget curves from GitHub (baidu-baige/LU-KV), published for "
+    "Llama-3.1-8B only",
+    "kvcompose": "KVComposePress leaves each layer its own number of entries, which the one attention "
+    "mask of sdpa or eager attention cannot serve (the question's forward fails): it needs flash "
+    "attention (CUDA)",
+    "kvcompose_unstructured": "KVComposePress(structured=False) leaves its replay pass's copy of the "
+    "context in the cache (kvpress 0.5.5): the question attends to a second, uncompressed copy",
+    "dms": "DMSPress evicts below a score threshold: no compression ratio to match (the registry runs "
+    "it around KVzap only)",
+    "simlayerkv": "SimLayerKVPress keeps a data-dependent amount (a lazy-layer threshold): no "
+    "compression ratio",
+    "think": "ThinKPress prunes key channels, not tokens (zeroed in place: no memory saved), at a "
+    "key-channel ratio",
+    "snap_think": "ThinKPress (composed with SnapKV) prunes key channels at a second, key-channel ratio",
+    **{
+        f"cam_{scorer}": "CAMPress " + _DECODING
+        for scorer in ("streaming_llm", "knorm", "adakv_snapkv", "tova")
+    },
+    "decoding": "DecodingPress " + _DECODING,
+    **{
+        f"decoding_{scorer}": "DecodingPress " + _DECODING
+        for scorer in (
+            "knorm",
+            "streaming_llm",
+            "tova",
+            "qfilter",
+            "adakv_expected_attention_e2",
+            "adakv_snapkv",
+            "keydiff",
+        )
+    },
+    "compression_ratio_decoding": "CompressionRatioDecodingPress compresses while decoding, not the prefill",
+    "prefill_decoding": "PrefillDecodingPress only pairs a prefill press with a decoding press",
+    "composed": "ComposedPress only chains other presses",
+    "key_rerotation": "KeyRerotationPress only re-rotates the keys another press keeps",
+    "chunk": "ChunkPress only runs another press chunk by chunk",
+    "per_layer_compression": "PerLayerCompressionPress only gives another press per-layer ratios (flash "
+    "attention only)",
+}
+#: other spellings accepted on the command line (also before a variant's ``@``)
+ALIASES = {
+    "streamingllm": "streaming_llm", "adakv": "adakv_snapkv", "ada-snapkv": "adakv_snapkv",
+    "kvzip+": "kvzip_plus", "restorekv+": "restorekv_plus",
+}  # fmt: skip
 
 
-def press_names(names: list[str]) -> list[str]:
-    """Canonical press names for ``names`` (``all`` = every press but ``no_press``; aliases and
-    ``-`` for ``_`` accepted; duplicates dropped); a one-line error for an unknown name."""
+def canonical_name(raw: str) -> str:
+    """``raw`` as the tables spell it: lower case, ``kvpress:`` dropped, aliases and ``-`` for ``_``
+    resolved (``Ada-SnapKV@paper`` → ``adakv_snapkv@paper``)."""
+    base, at, variant = raw.strip().lower().removeprefix(PREFIX).partition("@")
+    return ALIASES.get(base, base.replace("-", "_")) + at + variant
+
+
+def press_names(names: list[str], question_aware: bool = True) -> list[str]:
+    """Canonical press names for ``names`` (``all`` = every press but ``no_press``, and for a
+    question-agnostic run, ``question_aware`` false, but the question-aware-only ``finch`` too;
+    aliases and ``-`` for ``_`` accepted; duplicates dropped); a one-line error for an unknown name,
+    for a press that cannot run here (naming why, :data:`UNAVAILABLE_PRESSES`) and for ``finch``
+    named in a question-agnostic run."""
     chosen: list[str] = []
     for raw in names:
-        name = raw.strip().lower().removeprefix(PREFIX)
-        name = ALIASES.get(name, name.replace("-", "_"))
+        name = canonical_name(raw)
         if name == "all":
-            chosen += [n for n in PRESSES if n != "no_press"]
+            chosen += [
+                n for n in PRESSES
+                if n != "no_press" and (question_aware or not PRESSES[n].get("question_delimiter"))
+            ]  # fmt: skip
         elif name in PRESSES:
+            if not question_aware and PRESSES[name].get("question_delimiter"):
+                raise KVBudgetError(
+                    f"kvpress press '{raw}' runs question-aware only (its window is the question, which a "
+                    "question-agnostic run leaves out of the compressed prefill)"
+                )
             chosen.append(name)
+        elif name in UNAVAILABLE_PRESSES:
+            raise KVBudgetError(f"kvpress press '{raw}' cannot run here: {UNAVAILABLE_PRESSES[name]}")
         else:
             known = ", ".join([*PRESSES, "all"])
             raise KVBudgetError(f"unknown kvpress press '{raw}': expected some of {known}")
@@ -225,7 +363,7 @@ def run_peer_rows(
     from kvbudget.eval.runner import MethodSpec, Runner, ratio_budget
     from kvbudget.models import resolve_source
 
-    names = press_names(presses)
+    names = press_names(presses, question_aware=not config.compress_context_only)
     python_path, versions = peer_python(python)
     if not config.compression_ratios and any(PRESSES[n]["press"] is not None for n in names):
         raise KVBudgetError("kvpress rows run at compression ratios: give --compression-ratios")

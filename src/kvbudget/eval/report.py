@@ -1,11 +1,13 @@
 """``kvbudget report DIR``: markdown tables and plots from ``DIR/results.jsonl``.
 
-Writes ``DIR/report.md`` with, per task, a methods × budgets table of the task score (×100),
-retention (score on the samples the full cache solves, i.e. full-cache score ≥ 0.5) and fidelity
-(greedy agreement with the full cache, KL(full ‖ method)). Every such number comes with its 95 %
-percentile-bootstrap interval over samples (:mod:`kvbudget.eval.intervals`), written
-``mean [low, high]``; retention, agreement and KL pool a method's budgets, so they first average
-each sample over the budgets and resample those per-sample means.
+Writes ``DIR/report.md``, headed by the model, its dtype and what its weights are (a registry
+model's quantization and GGUF header name, :func:`kvbudget.models.describe_weights`), with, per
+task, a methods × budgets table of the task score (×100), retention (score on the samples the full
+cache solves, i.e. full-cache score ≥ 0.5) and fidelity (greedy agreement with the full cache,
+KL(full ‖ method)). Every such number comes with its 95 % percentile-bootstrap interval over
+samples (:mod:`kvbudget.eval.intervals`), written ``mean [low, high]``; retention, agreement and KL
+pool a method's budgets, so they first average each sample over the budgets and resample those
+per-sample means.
 
 Budgets are columns ``B=64`` (entries per KV head) or ``r=0.75`` (a compression ratio as kvpress
 defines it, the fraction of the compressed tokens removed: rows of ``kvbudget eval
@@ -49,6 +51,7 @@ from kvbudget.eval.intervals import (
     bootstrap_mean_over_groups,
 )
 from kvbudget.eval.store import load_rows, no_results_message
+from kvbudget.models import describe_weights
 
 SOLVED = 0.5
 #: the label prefix of kvpress's rows (:mod:`kvbudget.eval.peer_rows`)
@@ -620,7 +623,10 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
         "",
         f"Model(s): {', '.join(models)}"
         + (f" ({', '.join(dtypes)})" if dtypes else "")
-        + f". {len(ok)} runs, {len(errors)} errors. Scores ×100; every cell is `mean [low, high]`, the "
+        + "."
+        + "".join(f" Weights of `{model}`: {describe_weights(model)}." for model in models),
+        "",
+        f"{len(ok)} runs, {len(errors)} errors. Scores ×100; every cell is `mean [low, high]`, the "
         "mean over samples with its 95% percentile-bootstrap interval (samples resampled, "
         f"{resamples} resamples, seed 0); n = samples per cell. Columns: `B=` entries per KV head, "
         "`r=` compression ratio (fraction of the compressed tokens removed, as kvpress). Retention = "

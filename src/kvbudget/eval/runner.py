@@ -350,7 +350,7 @@ class Runner:
             draft_accepted=accepted,
             lookahead_s=cache.session.lookahead_seconds,
             reselect_s=cache.session.reselect_seconds,
-            selection_layer=selection_layer(method, 0),
+            selection_layer=selection_layer(cache.session, 0),
         )
 
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, emit) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvbudget.errors import MethodOptionError
-from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
+from kvbudget.methods.prune_base import PruneMethod, PruneRun, context_slots, top_slots, window_slots
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys, window_scores
 
@@ -55,6 +55,18 @@ def rank_variance(ranks: torch.Tensor, k: int) -> float:
 
 
 @dataclass
+class ASLRun(PruneRun):
+    """An ASL run: per batch row the token ranks of the last ``l_obs`` layers, the first tested
+    layer's rank variance, every tested layer's relative variance (for inspection and plots), and
+    the rows where no layer met ``tau`` and the 2-pass variant selected at the last layer."""
+
+    rank_cache: list[list[torch.Tensor]] = field(default_factory=list)
+    initial_variance: list[float | None] = field(default_factory=list)
+    relative_variances: list[list[tuple[int, float]]] = field(default_factory=list)
+    fallback_rows: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
 class ASL(PruneMethod):
     """ASL: pick the selection layer where attention ranks stop moving, then prune (one pass).
 
@@ -99,6 +111,13 @@ class ASL(PruneMethod):
 
     name: ClassVar[str] = "asl"
     paper: ClassVar[str] = "ASL (Taniguchi et al.), github.com/TANIGUCHIREI/ASL"
+    summary: ClassVar[str] = (
+        "adaptive selection layer: where attention ranks stop moving (relative rank variance < τ), "
+        "keep the top `k` tokens for all deeper layers; SnapKV before"
+    )
+    code: ClassVar[str] = "TANIGUCHIREI/ASL"
+    #: tau > 1 selects at l_min (relative variance 1 there): the tiny tests really prune
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3, "tau": 1.5}
     window: int = 32
     kernel: int = 7
     tau: float = 0.3
@@ -120,14 +139,15 @@ class ASL(PruneMethod):
         """``L_min`` (``layers // 3`` by default), clamped to the model's last layer."""
         return min(num_layers // 3 if self.l_min < 0 else self.l_min, num_layers - 1)
 
-    def begin_prune(self, batch_size: int, num_layers: int) -> None:
-        super().begin_prune(batch_size, num_layers)
-        self.rank_cache: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
-        self.initial_variance: list[float | None] = [None] * batch_size
-        #: per row, (layer, relative variance) of every tested layer (for inspection and plots)
-        self.relative_variances: list[list[tuple[int, float]]] = [[] for _ in range(batch_size)]
-        #: rows where no layer met ``tau`` and the 2-pass variant selected at the last layer
-        self.fallback_rows: set[int] = set()
+    def start(self, model: object = None) -> ASLRun:
+        return ASLRun()
+
+    def begin_prune(self, run: ASLRun, batch_size: int, num_layers: int) -> None:
+        super().begin_prune(run, batch_size, num_layers)
+        run.rank_cache = [[] for _ in range(batch_size)]
+        run.initial_variance = [None] * batch_size
+        run.relative_variances = [[] for _ in range(batch_size)]
+        run.fallback_rows = set()
 
     def score(self, obs: Observation) -> torch.Tensor:
         """SnapKV scores for the cache compression before the selection layer: ``[b, kv_heads, n]``."""
@@ -138,41 +158,42 @@ class ASL(PruneMethod):
         l_min = self.first_tested_layer(obs.num_layers)
         if layer < l_min - self.l_obs + 1:
             return
-        rows = [r for r, t in enumerate(targets) if t is not None and r not in self.selected]
+        run = self.run_of(obs)
+        rows = [r for r, t in enumerate(targets) if t is not None and r not in run.selected]
         if not rows:
             return
         scores = token_scores(obs, self.window, self.kernel)
         for r in rows:
             context = context_slots(obs, r, self.window)
             row_scores = scores[r, context]
-            cache = self.rank_cache[r]
+            cache = run.rank_cache[r]
             cache.append(ranks_desc(row_scores))
             del cache[: -self.l_obs]
             if layer < l_min:
                 continue
             k = targets[r] - self.window
             var = rank_variance(torch.stack(cache), k)
-            relative = self._relative(r, var)
-            self.relative_variances[r].append((layer, relative))
+            relative = self._relative(run, r, var)
+            run.relative_variances[r].append((layer, relative))
             fallback = self.two_pass and relative >= self.tau and layer == obs.num_layers - 1
             if relative < self.tau or fallback:
                 if fallback:
-                    self.fallback_rows.add(r)
+                    run.fallback_rows.add(r)
                 keep = top_slots(row_scores, context, k)
-                self.request_cut(r, layer, torch.cat([keep, window_slots(obs, r, self.window)]))
-                self.rank_cache[r] = []  # released (Alg. 2 line 12)
+                run.request_cut(r, layer, torch.cat([keep, window_slots(obs, r, self.window)]))
+                run.rank_cache[r] = []  # released (Alg. 2 line 12)
 
-    def _relative(self, row: int, var: float) -> float:
-        v0 = self.initial_variance[row]
+    def _relative(self, run: ASLRun, row: int, var: float) -> float:
+        v0 = run.initial_variance[row]
         if v0 is None:
-            self.initial_variance[row] = var
+            run.initial_variance[row] = var
             return 1.0
         if v0 == 0.0:
             return 0.0 if var == 0.0 else float("inf")
         return var / v0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ASLFullKV(ASL):
     """ASL with the full cache before the selection layer (the paper's "Full (before selection) &
     k (after selection)" rows): no SnapKV compression; layers up to the selection layer keep every
@@ -186,10 +207,12 @@ class ASLFullKV(ASL):
     """
 
     name: ClassVar[str] = "asl-fullkv"
+    summary: ClassVar[str] = "ASL with the full cache before the selection layer"
+    exceeds_budget: ClassVar[bool] = True
     compress_cache: ClassVar[bool] = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class ASL2Pass(ASL):
     """ASL with GemFilter's two passes: pass 1 runs until ASL's selection layer (full attention,
     its cache discarded); pass 2 runs the whole model on the selected tokens with re-indexed
@@ -205,4 +228,5 @@ class ASL2Pass(ASL):
     """
 
     name: ClassVar[str] = "asl-2pass"
+    summary: ClassVar[str] = "ASL with a second pass over the selected tokens"
     two_pass: ClassVar[bool] = True

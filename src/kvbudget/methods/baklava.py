@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvbudget.allocation import baklava_reallocate
 from kvbudget.errors import MethodOptionError
-from kvbudget.methods.profiled import ProfiledMethod, bounded_budgets
+from kvbudget.methods.profiled import ProfiledMethod, ProfiledRun, bounded_budgets
 from kvbudget.observation import Observation
 from kvbudget.scoring import window_scores
 
 
-@dataclass
+@dataclass(frozen=True)
 class BaKlaVa(ProfiledMethod):
     """BaKlaVa: KV caches of unimportant heads give memory to the most important ones.
 
@@ -67,6 +67,10 @@ class BaKlaVa(ProfiledMethod):
 
     name: ClassVar[str] = "baklava"
     paper: ClassVar[str] = "arXiv:2502.13176"
+    summary: ClassVar[str] = (
+        "per-KV-cache budgets from an offline head-importance profile (Alg. 2 on top of the layer "
+        "split); StreamingLLM inside each cache"
+    )
     granularity: ClassVar[str] = "cache"
     default_r: ClassVar[float] = 0.5
 
@@ -81,42 +85,44 @@ class BaKlaVa(ProfiledMethod):
         if self.r >= 0 and self.r > 1.0:
             raise MethodOptionError(f"{self.name}: r must be in [0, 1] (or negative = auto), got {self.r}")
 
-    def resolved_tr(self, ratio: float) -> tuple[float, float]:
+    def resolved_tr(self, run: ProfiledRun, ratio: float) -> tuple[float, float]:
         """``(t, r)`` for a run at compression ``ratio``: the options, else tuned, else the defaults."""
-        tuned = self.tuned(ratio)
+        tuned = self.tuned(run, ratio)
         t = self.t if self.t >= 0 else tuned.get("t")
         if t is None:
-            t = float(self.bound_profile.importance().reshape(-1).median())
+            t = float(run.profile.importance().reshape(-1).median())
         r = self.r if self.r >= 0 else float(tuned.get("r", self.default_r))
         return float(t), r
 
-    def head_shares(self, ratio: float) -> torch.Tensor:
+    def head_shares(self, run: ProfiledRun, ratio: float) -> torch.Tensor:
         """Algorithm 2 inside each layer: ``[layers, kv_heads]`` float64, every cache starting at 1
         (each row sums to ``kv_heads``)."""
-        t, r = self.resolved_tr(ratio)
-        importance = self.bound_profile.importance()
+        t, r = self.resolved_tr(run, ratio)
+        importance = run.profile.importance()
         equal = torch.ones(importance.shape[1], dtype=torch.float64)
         return torch.stack([baklava_reallocate(row, equal, t, r) for row in importance])
 
-    def cache_budgets(self, budget: int, capacity: int, ratio: float | None = None) -> torch.Tensor:
+    def cache_budgets(
+        self, run: ProfiledRun, budget: int, capacity: int, ratio: float | None = None
+    ) -> torch.Tensor:
         """``[layers, kv_heads]`` int64 entries per cache; ``scope="model"`` reallocates over the
         whole model (see the class docstring), else as :meth:`ProfiledMethod.cache_budgets`."""
         if self.scope == "layer":
-            return super().cache_budgets(budget, capacity, ratio)
-        plans = self.__dict__.setdefault("_plans", {})
+            return super().cache_budgets(run, budget, capacity, ratio)
+        plans = run.plans
         ratio = budget / max(capacity, 1) if ratio is None else ratio
         key = (budget, capacity, ratio, "model")
         if key not in plans:
-            t, r = self.resolved_tr(ratio)
-            importance = self.bound_profile.importance()  # [layers, kv_heads]
-            base = self.layer_shares(ratio)[:, None].expand_as(importance)
+            t, r = self.resolved_tr(run, ratio)
+            importance = run.profile.importance()  # [layers, kv_heads]
+            base = self.layer_shares(run, ratio)[:, None].expand_as(importance)
             shares = baklava_reallocate(importance.reshape(-1), base.reshape(-1), t, r)
             flat = bounded_budgets(shares, budget * importance.numel(), capacity)
             plans[key] = flat.reshape(importance.shape)
         return plans[key]
 
 
-@dataclass
+@dataclass(frozen=True)
 class BaKlaVaSnapKV(BaKlaVa):
     """BaKlaVa's per-cache budgets with SnapKV eviction inside each cache (new combination).
 
@@ -129,6 +135,10 @@ class BaKlaVaSnapKV(BaKlaVa):
     """
 
     name: ClassVar[str] = "baklava-snapkv"
+    summary: ClassVar[str] = (
+        "BaKlaVa's per-cache budgets with SnapKV eviction inside each cache (new combination)"
+    )
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3}
     stages: ClassVar[tuple[str, ...]] = ("prefill",)
     tuned_from: ClassVar[tuple[str, ...]] = ("baklava",)
 

@@ -19,12 +19,21 @@ default only while that allocator is chosen. Any other method refuses both optio
 :meth:`Method.compress_layer` runs them on one layer; decode-stage methods also implement
 :meth:`Method.decode_step`; post-prefill methods (D2O) :meth:`Method.record` and
 :meth:`Method.post_prefill`; lookahead methods (LAQ) :meth:`Method.run_lookahead`.
+
+**Configuration and run state** (DESIGN.md §10). A method object is its configuration: a frozen
+dataclass whose fields name its result rows; setting an attribute raises, so one object can serve
+many sequences at once. Everything a run learns — plans, budgets chosen at the first layer, kept
+positions another layer reuses, per-row counters, data bound from the model — lives in the
+:class:`RunState` that :meth:`Method.start` returns; the compression session owns it for one
+sequence (or batch) and hands it to the method with each observation (``obs.run``) or as the
+``run`` argument of the stages that see whole caches (:meth:`Method.rebalance`,
+:meth:`Method.post_prefill`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +44,29 @@ from kvbudget.selection import protected_mask, select_keep
 
 
 @dataclass
+class RunState:
+    """What one run of a method learns (DESIGN.md §10), owned by the run's compression session.
+
+    Methods that learn more subclass it (a dataclass with their own fields) and return it from
+    :meth:`Method.start`.
+
+    Attributes:
+        appended: per batch row, entries appended after the compression, uncompressed and outside
+            the budget (the question, question-agnostic; set by the session).
+        lookahead: a lookahead method's last lookahead (its pseudo tokens and queries, a
+            :class:`~kvbudget.methods.lookahead.Lookahead`), kept for inspection; else ``None``.
+    """
+
+    appended: list[int] = field(default_factory=list)
+    lookahead: Any = None
+
+    def appended_to(self, row: int) -> int:
+        """Entries appended to ``row`` after the compression (0 if none): a method that holds a
+        per-layer plan while decoding adds them to its plan's limit."""
+        return self.appended[row] if row < len(self.appended) else 0
+
+
+@dataclass(frozen=True)
 class Method:
     """Base class of all methods.
 
@@ -43,8 +75,25 @@ class Method:
         sinks: first entries always kept.
     """
 
+    # ---- what the method is: the registry, the generated docs and the generic tests read these
+    #: registry name, lower case with hyphens
     name: ClassVar[str] = "base"
+    #: the reference, e.g. ``"arXiv:2404.14469"`` (rendered as a link in README.md and docs/methods.md)
     paper: ClassVar[str] = ""
+    #: one line on what the method keeps, for README.md's methods table (``scripts/methods_tables.py``);
+    #: every registered class sets its own
+    summary: ClassVar[str] = ""
+    #: the authors' public code as GitHub ``owner/name`` (docs/methods.md's index), ``""`` if none
+    code: ClassVar[str] = ""
+    #: the kvpress 0.5.5 press (class name) that implements the same method, ``""`` if kvpress has
+    #: none; ``tests/test_kvpress_oracle.py`` fails until such a method has an oracle on kept positions
+    kvpress: ClassVar[str] = ""
+    #: options that fit the tiny tests' prompts (~100–200 tokens; ``window + sinks`` below 24), used by
+    #: every generic test (``tests/method_matrix.py``); empty when the defaults fit
+    small_options: ClassVar[dict[str, Any]] = {}
+    #: whether the cache holds more than the budget by design (a prune method that keeps the full
+    #: cache below its cut); the budget checks of the tests and the leaderboard's ¹ mark read it
+    exceeds_budget: ClassVar[bool] = False
     stages: ClassVar[tuple[str, ...]] = ("prefill",)
     #: cascading methods re-evict earlier layers after each prefilled layer (:meth:`rebalance`)
     cascading: ClassVar[bool] = False
@@ -63,12 +112,11 @@ class Method:
     @classmethod
     def named(cls, name: str, **options: Any) -> Method:
         """An object of this class registered under another ``name`` (a named combination: this
-        class with ``options``); ``name`` is what its messages, results and tuned parameters use."""
-        method = cls.__new__(cls)
-        if name != cls.name:
-            method.__dict__["name"] = name
-        method.__init__(**options)
-        return method
+        class with ``options``); ``name`` is what its messages, results and tuned parameters use.
+        The object's class is a subclass of this one that only renames it."""
+        if name == cls.name:
+            return cls(**options)
+        return _renamed(cls, name)(**options)
 
     @classmethod
     def allocation_refusal(cls, option: str) -> str:
@@ -146,12 +194,22 @@ class Method:
                 f"(window {self.window} + sinks {self.sinks} + 1), got {budget}"
             )
 
-    def prepare(self, model: Any) -> None:
-        """Bind what the method needs from the model before a run (offline profiles); no-op by default.
+    def start(self, model: Any = None) -> RunState:
+        """A fresh run state for one run (one sequence or batch) of this method, with what it needs
+        from ``model`` bound (offline profiles, filters); the session that owns the run calls it.
 
-        Called by :func:`kvbudget.engine.prefill`, :func:`kvbudget.engine.compress`,
-        :func:`kvbudget.snapshot.derive` and the perplexity task before the first forward.
+        Called through :class:`~kvbudget.session.CompressionSession` by :func:`kvbudget.engine.prefill`,
+        :func:`kvbudget.engine.compress`, :func:`kvbudget.snapshot.derive` and the perplexity task
+        before the first forward. ``model`` may be ``None`` for methods that need nothing from it.
         """
+        return RunState()
+
+    def run_of(self, obs: Observation) -> RunState:
+        """The run state an observation carries (``obs.run``, set by the session); an observation made
+        outside a session (a single-layer call: nothing to carry over) gets a fresh one."""
+        if obs.run is None:
+            obs.run = self.start()
+        return obs.run
 
     # ------------------------------------------------------------------ parts
     def window_for(self, budget: int) -> int:
@@ -213,7 +271,7 @@ class Method:
         obs.layer.keep(select_keep(scores, kept, valid, protected))
         return kept
 
-    def rebalance(self, layers: list, targets: list[int | None]) -> None:
+    def rebalance(self, layers: list, targets: list[int | None], run: RunState) -> None:
         """Cascading methods: after ``layers[-1]`` was compressed, re-evict ``layers[:-1]``.
 
         Layer budgets recomputed over the layers seen so far may only shrink; earlier layers are
@@ -222,6 +280,12 @@ class Method:
         layer-wise and the shared-prefill path.
         """
         raise NotImplementedError(f"{self.name} is not a cascading method")
+
+    @property
+    def merges(self) -> bool:
+        """Whether evicted entries are folded into kept ones (kept keys/values change), with these
+        options: a decode step then cannot equal attention over the kept entries alone."""
+        return False
 
     @property
     def edits_earlier_layers(self) -> bool:
@@ -236,11 +300,12 @@ class Method:
         """
         raise NotImplementedError(f"{self.name} has no post-prefill stage")
 
-    def post_prefill(self, layers: list, targets: list[int | None]) -> None:
+    def post_prefill(self, layers: list, targets: list[int | None], run: RunState) -> None:
         """Post-prefill methods: compress every layer once all of them were prefilled.
 
         ``layers``: every layer of the cache (rectangular prefill layout); ``targets`` as in
-        :meth:`compress_layer`. The prefill holds the full cache until then (as the methods' papers do).
+        :meth:`compress_layer`; ``run``: this run's state. The prefill holds the full cache until
+        then (as the methods' papers do).
         """
         raise NotImplementedError(f"{self.name} has no post-prefill stage")
 
@@ -262,27 +327,17 @@ class Method:
 
         Args:
             model: the model (attached); cache: the full :class:`~kvbudget.cache.BudgetCache`,
-                its session holding the resolved targets and the recorded queries.
+                its session holding the resolved targets, the recorded queries and the run state
+                (``cache.session.run``).
             logits: ``[b, vocab]`` last-position logits of the prefilled part.
             mask: ``[b, T]`` its padding mask; last_pos: ``[b]`` position of each row's last token.
             eos: token ids that end an answer.
         """
         raise NotImplementedError(f"{self.name} has no lookahead stage")
 
-    def set_appended(self, counts: list[int]) -> None:
-        """Entries appended to each batch row after the compression, outside the budget (the
-        question, question-agnostic; set by the session). Run state, not an option."""
-        self.__dict__["_appended"] = list(counts)
-
-    def appended(self, row: int) -> int:
-        """Entries appended to ``row`` after the compression (0 if none): a method that holds a
-        per-layer plan while decoding adds them to its plan's limit."""
-        counts = self.__dict__.get("_appended") or []
-        return counts[row] if row < len(counts) else 0
-
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         """Trim a layer back to ``row_budgets`` after a decode step (decode-stage methods); the
-        budgets include what was appended after the compression (:meth:`appended`)."""
+        budgets include what was appended after the compression (:meth:`RunState.appended_to`)."""
         raise NotImplementedError(f"{self.name} does not act while decoding")
 
     def trim_to(self, obs: Observation, row_budgets: list[int]) -> None:
@@ -306,3 +361,38 @@ class Method:
                 ]
                 budgets[r] = budget
         obs.layer.keep(select_keep(scores, budgets, valid, protected))
+
+
+_RENAMED: dict[tuple[type, str], type] = {}
+
+
+def _renamed(cls: type[Method], name: str) -> type[Method]:
+    """A subclass of ``cls`` whose ``name`` is ``name`` (one per pair, so objects compare equal)."""
+    key = (cls, name)
+    if key not in _RENAMED:
+
+        def reduce(self: Method) -> tuple:  # pickles by (class, name, options), as Ray ships it
+            options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            return _rebuild_renamed, (cls, name, options)
+
+        namespace = {"name": name, "__module__": cls.__module__, "__reduce__": reduce, "renamed": True}
+        _RENAMED[key] = type(cls.__name__, (cls,), namespace)
+    return _RENAMED[key]
+
+
+def _rebuild_renamed(cls: type[Method], name: str, options: dict[str, Any]) -> Method:
+    return _renamed(cls, name)(**options)
+
+
+def defined_classes() -> dict[str, type[Method]]:
+    """Every method class defined so far (its module imported), by the name it declares; the
+    classes :meth:`Method.named` makes to rename one are left out. The registry imports every
+    method module; a method that composes another by name (ChunkKV) looks it up here."""
+    found: dict[str, type[Method]] = {}
+    stack: list[type] = [Method]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            stack.append(sub)
+            if "name" in vars(sub) and not vars(sub).get("renamed", False):
+                found.setdefault(sub.name, sub)
+    return found

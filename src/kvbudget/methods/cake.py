@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, ClassVar
 
@@ -10,7 +10,7 @@ import torch
 
 from kvbudget.allocation import cake_preference
 from kvbudget.errors import MethodOptionError, UnknownMethodError
-from kvbudget.methods.layerwise import LayerwiseMethod, pool_candidates
+from kvbudget.methods.layerwise import LayerwiseMethod, LayerwiseRun, pool_candidates
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import protected_mask, select_keep
@@ -51,6 +51,16 @@ def authors_checkpoint(name_or_path: str) -> str | None:
 
 
 @dataclass
+class CAKERun(LayerwiseRun):
+    """A CAKE run: the cascade's plan, the prefill's targets (a row's budget picks its
+    temperatures), and the authors' temperatures for the model (``None``: no model bound)."""
+
+    targets: list[int | None] = field(default_factory=list)
+    authors_taus: dict[int, tuple[float, float]] | None = None
+    authors_checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
 class CAKE(LayerwiseMethod):
     """CAKE: layer budgets from each layer's attention dispersion and shift, decided while prefilling.
 
@@ -91,7 +101,7 @@ class CAKE(LayerwiseMethod):
     when the model is listed and the row's budget is one they tuned (128 or 1024); otherwise
     ``tau1``/``tau2`` stay (their ``pred_cake.py`` falls back to 1, 1 there, and never reads its
     ``--tau1``/``--tau2`` flags; ours keeps the options in force). The model is named by its
-    config's ``name_or_path`` (:func:`authors_checkpoint`), bound by :meth:`prepare`. Listed:
+    config's ``name_or_path`` (:func:`authors_checkpoint`), bound by :meth:`start`. Listed:
     Llama-2-7b/13b-chat, Llama-3.1-8B-Instruct, Mistral-7B-Instruct-v0.3, Qwen2.5-7B-Instruct.
 
     Reference: Qin et al., "CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences",
@@ -106,7 +116,12 @@ class CAKE(LayerwiseMethod):
     """
 
     name: ClassVar[str] = "cake"
-    paper: ClassVar[str] = "ICLR 2025, openreview EQgEMAD4kv"
+    paper: ClassVar[str] = "Qin et al., ICLR 2025, openreview EQgEMAD4kv"
+    summary: ClassVar[str] = (
+        "layer preference from attention entropy and variance; mean + γ·variance eviction"
+    )
+    code: ClassVar[str] = "antgroup/cakekv"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4}
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     cascading: ClassVar[bool] = True
     fixed_allocation: ClassVar[str] = "CAKE's layer budgets are its cascading preference split"
@@ -133,28 +148,29 @@ class CAKE(LayerwiseMethod):
                 raise MethodOptionError(f"cake: {name} must be > 0, got {getattr(self, name)}")
 
     # ------------------------------------------------------------------ temperatures
-    def prepare(self, model: Any) -> None:
-        """Bind the model's entry of :data:`AUTHORS_TAU` (``authors_tau`` only)."""
+    def start(self, model: Any = None) -> CAKERun:
+        """A run with the model's entry of :data:`AUTHORS_TAU` bound (``authors_tau`` only)."""
+        if model is None:
+            return CAKERun()
         config = getattr(model, "config", None)
         name = getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or ""
         checkpoint = authors_checkpoint(name)
-        self.__dict__["_authors_taus"] = AUTHORS_TAU.get(checkpoint, {}) if checkpoint else {}
-        self.__dict__["_authors_checkpoint"] = checkpoint
+        return CAKERun(authors_taus=AUTHORS_TAU.get(checkpoint, {}) if checkpoint else {},
+                       authors_checkpoint=checkpoint)  # fmt: skip
 
-    def taus(self, budget: int) -> tuple[float, float]:
+    def taus(self, run: CAKERun, budget: int) -> tuple[float, float]:
         """``(τ1, τ2)`` for a row whose budget is ``budget`` (entries per head, window included)."""
         if not self.authors_tau:
             return self.tau1, self.tau2
-        table = self.__dict__.get("_authors_taus")
-        if table is None:
+        if run.authors_taus is None:
             raise UnknownMethodError(
-                "cake: authors_tau needs the model's name: call method.prepare(model) first "
-                "(kvbudget.generate, compress and the eval runner do)"
+                "cake: authors_tau needs the model's name: start the run with the model, "
+                "method.start(model) (kvbudget.generate, compress and the eval runner do)"
             )
-        return table.get(int(budget), (self.tau1, self.tau2))
+        return run.authors_taus.get(int(budget), (self.tau1, self.tau2))
 
     def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
-        self.__dict__["_targets"] = list(targets)
+        self.run_of(obs).targets = list(targets)
         return super().compress_layer(obs, targets)
 
     def score(self, obs: Observation) -> torch.Tensor:
@@ -177,7 +193,8 @@ class CAKE(LayerwiseMethod):
     ) -> float:
         columns = candidates[0].nonzero().flatten()  # the prefill layout: the same keys in every head
         probs = obs.window_probs(self.window)[row][:, :, columns]  # [hq, w, L − w]
-        return cake_preference(probs, *self.taus(self.__dict__["_targets"][row]))
+        run = self.run_of(obs)
+        return cake_preference(probs, *self.taus(run, run.targets[row]))
 
     def selection_order(self) -> str | None:
         return "head"  # every head keeps its own top ``total``: a prefix of its order
@@ -191,9 +208,10 @@ class CAKE(LayerwiseMethod):
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         lengths = obs.layer.head_lengths().cpu()  # [b, h]
         limits = []
+        run = self.run_of(obs)
         for r, budget in enumerate(row_budgets):
-            planned = self.row_budget(r, obs.layer_idx)
-            limits.append(budget if planned is None else planned + self.appended(r))
+            planned = self.row_budget(run, r, obs.layer_idx)
+            limits.append(budget if planned is None else planned + run.appended_to(r))
         if all(int(lengths[r].max()) <= limit for r, limit in enumerate(limits)):
             return
         valid = obs.valid

@@ -15,7 +15,7 @@ from kvbudget.observation import Observation, reduce_group
 from kvbudget.selection import keep_within_limits
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaM(Method):
     """CaM: StreamingLLM eviction (sinks + recent window) whose evicted values are merged, not dropped.
 
@@ -45,7 +45,13 @@ class CaM(Method):
     """
 
     name: ClassVar[str] = "cam"
-    paper: ClassVar[str] = "ICML 2024, proceedings.mlr.press/v235/zhang24n"
+    paper: ClassVar[str] = "Zhang et al., ICML 2024, proceedings.mlr.press/v235/zhang24n"
+    summary: ClassVar[str] = (
+        "sinks + recent window; values of evicted tokens merged into the next ones with probability ∝ "
+        "their attention"
+    )
+    code: ClassVar[str] = "zyxxmu/cam"
+    kvpress: ClassVar[str] = "CAMPress"
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     state_name: ClassVar[str] = "cam_attention"
 
@@ -54,6 +60,11 @@ class CaM(Method):
     merge_span: int = 0
     seed: int = 0
     chunk: int = 512
+
+    @property
+    def merges(self) -> bool:
+        """Evicted values are always merged into the next ones."""
+        return True
 
     def validate(self) -> None:
         super().validate()

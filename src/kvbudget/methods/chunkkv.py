@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 
-from kvbudget.errors import MethodOptionError, UnknownMethodError
-from kvbudget.methods.base import Method
+from kvbudget.errors import MethodOptionError
+from kvbudget.methods.base import Method, RunState, defined_classes
+from kvbudget.methods.combinations import COMBINATIONS
 from kvbudget.observation import Observation
 
 #: options of the inner scorer that ChunkKV passes on when the scorer has them (SnapKV's defaults)
@@ -49,6 +51,15 @@ def chunk_ranking(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 
 @dataclass
+class ChunkKVRun(RunState):
+    """A ChunkKV run: the scorer's own run state, and the positions each selecting layer kept
+    (for the layers that reuse them)."""
+
+    inner: RunState = field(default_factory=RunState)
+    kept: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ChunkKV(Method):
     """ChunkKV: a scorer's token scores summed over chunks of ``chunk_size`` consecutive tokens;
     the best chunks are kept whole, one index set per layer.
@@ -88,6 +99,11 @@ class ChunkKV(Method):
 
     name: ClassVar[str] = "chunkkv"
     paper: ClassVar[str] = "arXiv:2502.00299"
+    summary: ClassVar[str] = (
+        "whole 10-token chunks ranked by a scorer's summed scores (SnapKV by default), one set per layer"
+    )
+    kvpress: ClassVar[str] = "ChunkKVPress"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3, "chunk_size": 5}
     fixed_allocation: ClassVar[str] = "ChunkKV keeps one chunk selection per layer, shared by its heads"
     window: int = 32
     scorer: str = "snapkv"
@@ -104,17 +120,20 @@ class ChunkKV(Method):
             value = getattr(self, option)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MethodOptionError(f"chunkkv: option {option} must be an integer ≥ 1, got {value!r}")
-        self.__dict__["_inner"] = self._build_scorer()
+        self._build_scorer()  # refuses a scorer that cannot serve, at construction
 
     def _build_scorer(self) -> Method:
-        from kvbudget.methods.registry import make_method, method_class  # the registry imports this module
-
         if not isinstance(self.scorer, str) or self.scorer in ("chunkkv", "full"):
             raise MethodOptionError(f"chunkkv: scorer must be another scoring method, got {self.scorer!r}")
-        try:
-            cls = method_class(self.scorer)
-        except UnknownMethodError as err:
-            raise MethodOptionError(f"chunkkv: option scorer={self.scorer!r}: {err}") from None
+        combination = COMBINATIONS.get(self.scorer)
+        classes = defined_classes()
+        cls = classes.get(combination.base if combination else self.scorer)
+        if cls is None:
+            known = ", ".join(sorted({*classes, *COMBINATIONS}))
+            raise MethodOptionError(
+                f"chunkkv: option scorer={self.scorer!r}: unknown method '{self.scorer}': "
+                f"expected one of {known}"
+            )
         if any(s in cls.stages for s in _NO_SCORE_STAGES) or cls.score is Method.score:
             raise MethodOptionError(self._no_score())
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -125,7 +144,7 @@ class ChunkKV(Method):
                 passed[option] = value
             elif value != default:
                 raise MethodOptionError(f"chunkkv: scorer '{self.scorer}' has no option {option}")
-        inner = make_method(self.scorer, **passed)
+        inner = cls.named(self.scorer, **{**(combination.options if combination else {}), **passed})
         if inner.cascading:  # LAVa's cascading layer allocator is an option: known once built
             raise MethodOptionError(self._no_score())
         return inner
@@ -136,25 +155,31 @@ class ChunkKV(Method):
             "(prune, post-prefill, lookahead and cascading methods cannot be chunked)"
         )
 
-    @property
+    @cached_property
     def inner(self) -> Method:
-        """The scorer object (built from the options)."""
-        return self.__dict__["_inner"]
+        """The scorer object (built from the options; configuration, like the options)."""
+        return self._build_scorer()
 
-    def prepare(self, model: Any) -> None:
-        self.inner.prepare(model)
+    def start(self, model: Any = None) -> ChunkKVRun:
+        return ChunkKVRun(inner=self.inner.start(model))
+
+    def _inner_obs(self, obs: Observation) -> Observation:
+        """``obs`` as the scorer sees it: carrying the scorer's own run state."""
+        run = self.run_of(obs)
+        return dataclasses.replace(obs, run=run.inner) if isinstance(run, ChunkKVRun) else obs
 
     def observe(self, obs: Observation) -> None:
-        self.inner.observe(obs)
+        self.inner.observe(self._inner_obs(obs))
 
     def score(self, obs: Observation) -> torch.Tensor:
         source = obs.layer_idx - obs.layer_idx % self.reuse
-        kept = self.__dict__.get("_kept", {}).get(source) if source != obs.layer_idx else None
+        run = self.run_of(obs)
+        kept = run.kept.get(source) if source != obs.layer_idx and isinstance(run, ChunkKVRun) else None
         positions, valid = obs.positions[:, 0], obs.valid[:, 0]  # the prefill's rows are rectangular
         if kept is not None:  # a reusing layer: the source layer's positions, nothing else
             reused = torch.stack([torch.isin(positions[r], kept[r]) for r in range(len(kept))])
             return reused.float()[:, None].expand(-1, obs.num_kv_heads, -1)
-        layer_scores = self.inner.score(obs).float().sum(1)  # [b, n]
+        layer_scores = self.inner.score(self._inner_obs(obs)).float().sum(1)  # [b, n]
         scores = torch.zeros_like(layer_scores)
         for r in range(scores.shape[0]):
             slots = valid[r].nonzero().flatten()
@@ -164,10 +189,11 @@ class ChunkKV(Method):
         return scores[:, None].expand(-1, obs.num_kv_heads, -1)
 
     def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        run = self.run_of(obs)
         if obs.layer_idx == 0:
-            self.__dict__["_kept"] = {}
+            run.kept.clear()
         kept = super().compress_layer(obs, targets)
         if self.reuse > 1 and obs.layer_idx % self.reuse == 0:
             positions = obs.layer.head(0)[2]  # [b, n_kept]; every head keeps the same positions
-            self.__dict__["_kept"][obs.layer_idx] = [row[row >= 0] for row in positions]
+            run.kept[obs.layer_idx] = [row[row >= 0] for row in positions]
         return kept

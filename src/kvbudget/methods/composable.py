@@ -35,7 +35,7 @@ from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 
 
-@dataclass
+@dataclass(frozen=True)
 class Composable(Method):
     """Base of scorers whose allocators are options (see the module docstring).
 

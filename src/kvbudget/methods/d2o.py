@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -13,7 +13,7 @@ from kvbudget.allocation import attention_variance, inverse_variance_layer_budge
 from kvbudget.cache import BudgetLayer
 from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.merging import D2OMerge, d2o_merge
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.selection import keep_within_limits, protected_mask
 
@@ -23,7 +23,7 @@ SINK, HEAVY, RECENT = 0, 1, 2
 
 @dataclass
 class MergeEvent:
-    """One merge of one batch row of one layer, as :meth:`D2O.watch_merges` reports it.
+    """One merge of one batch row of one layer, as :attr:`D2ORun.merge_watcher` receives it.
 
     Attributes:
         layer_idx, row: where it happened.
@@ -46,6 +46,24 @@ class MergeEvent:
 
 
 @dataclass
+class D2ORun(RunState):
+    """A D2O run: each layer's attention variance per row (``sigma[layer][row]``, from the
+    prefill), the layer budgets per row after it (``None``: the row was not compressed), the merge
+    thresholds ``τ`` per layer and row, and an optional ``merge_watcher`` called with a
+    :class:`MergeEvent` after every merge (diagnostics, ``scripts/d2o_merge_diagnostics.py``)."""
+
+    sigma: dict[int, list[float]] = field(default_factory=dict)
+    budgets: list[list[int] | None] = field(default_factory=list)
+    tau: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    merge_watcher: Callable[[MergeEvent], None] | None = None
+
+    def layer_budgets(self, row: int) -> list[int] | None:
+        """Entries per head of every layer of batch ``row`` after the prefill, or ``None`` when the
+        row was not compressed (it is then held at its uniform budget)."""
+        return self.budgets[row] if row < len(self.budgets) else None
+
+
+@dataclass(frozen=True)
 class D2O(Method):
     """D2O: layer budgets from attention variance; heavy hitters + sinks + recent, evicted entries merged.
 
@@ -118,6 +136,12 @@ class D2O(Method):
 
     name: ClassVar[str] = "d2o"
     paper: ClassVar[str] = "arXiv:2406.13035"
+    summary: ClassVar[str] = (
+        "layer budgets by inverse-variance softmax of prompt attention; sinks + heavy hitters + "
+        "recent; evicted entries merged into their most similar kept key under an EMA threshold "
+        "(`--opt threshold=false` merges every evicted entry), at every step"
+    )
+    code: ClassVar[str] = "AIoT-MLSys-Lab/d2o"
     stages: ClassVar[tuple[str, ...]] = ("post_prefill", "decode")
     state_name: ClassVar[str] = "d2o_attention"
     fixed_allocation: ClassVar[str] = (
@@ -138,6 +162,11 @@ class D2O(Method):
     variance: str = "minmax"
     min_fraction: float = 0.01
     chunk: int = 512
+
+    @property
+    def merges(self) -> bool:
+        """Evicted entries are merged into kept ones unless ``merge=False`` (``d2o-nomerge``)."""
+        return self.merge
 
     def validate(self) -> None:
         super().validate()
@@ -176,15 +205,8 @@ class D2O(Method):
         return rest - int(self.heavy_fraction * rest)
 
     # ------------------------------------------------------------------ per-run state
-    @property
-    def _run(self) -> dict:
-        return self.__dict__.setdefault("_d2o_run", {"sigma": {}, "budgets": [], "tau": {}})
-
-    def layer_budgets(self, row: int) -> list[int] | None:
-        """Entries per head of every layer of batch ``row`` after the prefill, or ``None`` when the
-        row was not compressed (it is then held at its uniform budget)."""
-        budgets = self._run["budgets"]
-        return budgets[row] if row < len(budgets) else None
+    def start(self, model: object = None) -> D2ORun:
+        return D2ORun()
 
     def accumulate(self, obs: Observation) -> None:
         """Add the attention this forward's queries paid each entry (GQA mean) to its score."""
@@ -197,48 +219,51 @@ class D2O(Method):
 
     # ------------------------------------------------------------------ prefill
     def record(self, obs: Observation, targets: list[int | None]) -> None:
+        run = self.run_of(obs)
         if obs.layer_idx == 0:
-            self.__dict__["_d2o_run"] = {"sigma": {}, "budgets": [], "tau": {}}
+            run.sigma.clear()
+            run.budgets.clear()
+            run.tau.clear()
         self.accumulate(obs)
         sums = obs.column_sums(self.chunk)  # [b, hq, n]
         valid = obs.valid[:, 0]
-        self._run["sigma"][obs.layer_idx] = [
+        run.sigma[obs.layer_idx] = [
             attention_variance(sums[r][:, valid[r]], self.variance) for r in range(sums.shape[0])
         ]
 
-    def post_prefill(self, layers: list[BudgetLayer], targets: list[int | None]) -> None:
-        run = self._run
+    def post_prefill(self, layers: list[BudgetLayer], targets: list[int | None], run: D2ORun) -> None:
         num_layers = len(layers)
         lengths = layers[0].head_lengths()[:, 0].tolist()
-        run["budgets"] = []
+        run.budgets = []
         for r, target in enumerate(targets):
             if target is None:
-                run["budgets"].append(None)
+                run.budgets.append(None)
                 continue
             length = int(lengths[r])
             if self.dynamic_layers:
                 lower = min(max(math.ceil(self.min_fraction * length), self.min_budget()), target)
-                sigma = [run["sigma"][i][r] for i in range(num_layers)]
+                sigma = [run.sigma[i][r] for i in range(num_layers)]
                 budgets = inverse_variance_layer_budgets(sigma, target * num_layers, lower, length)
-                run["budgets"].append([int(b) for b in budgets])
+                run.budgets.append([int(b) for b in budgets])
             else:
-                run["budgets"].append([min(target, length)] * num_layers)
+                run.budgets.append([min(target, length)] * num_layers)
         for i, layer in enumerate(layers):
-            limits = [None if b is None else b[i] for b in run["budgets"]]
-            self.evict(layer, i, limits)
+            limits = [None if b is None else b[i] for b in run.budgets]
+            self.evict(run, layer, i, limits)
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         self.accumulate(obs)
+        run = self.run_of(obs)
         limits = []
         for r, budget in enumerate(row_budgets):
-            planned = self.layer_budgets(r)
-            limits.append(budget if planned is None else planned[obs.layer_idx] + self.appended(r))
-        if not self._evict_one(obs.layer, obs.layer_idx, limits):
-            self.evict(obs.layer, obs.layer_idx, limits)
+            planned = run.layer_budgets(r)
+            limits.append(budget if planned is None else planned[obs.layer_idx] + run.appended_to(r))
+        if not self._evict_one(run, obs.layer, obs.layer_idx, limits):
+            self.evict(run, obs.layer, obs.layer_idx, limits)
 
     # ------------------------------------------------------------------ eviction + merging
-    def evict(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> None:
+    def evict(self, run: D2ORun, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> None:
         """Evict every row holding more than ``limits[r]`` entries per head (``None`` = leave it),
         merging the evicted entries into the kept ones."""
         if layer.is_ragged:
@@ -261,9 +286,9 @@ class D2O(Method):
             for r in range(len(limits)) if over[r]
         }  # fmt: skip
         layer.keep(keep)
-        self._merge_rows(layer, layer_idx, evicted, limits)
+        self._merge_rows(run, layer, layer_idx, evicted, limits)
 
-    def _evict_one(self, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> bool:
+    def _evict_one(self, run: D2ORun, layer: BudgetLayer, layer_idx: int, limits: list[int | None]) -> bool:
         """Fast path of :meth:`evict` for a decode step's steady state: one batch row, every entry
         valid, every head exactly one entry over its limit (the token just appended), sinks and
         window not covering the layer. The evicted entry of each head is then the lowest-scored
@@ -286,7 +311,7 @@ class D2O(Method):
         kept = slots + (slots >= drop[:, None])  # [h, n - 1] every slot but the dropped one, in order
         evicted = {0: self._gather_evicted(layer, 0, drop[:, None])} if self.merge else {}
         layer.keep([list(kept.unbind(0))])
-        self._merge_rows(layer, layer_idx, evicted, limits)
+        self._merge_rows(run, layer, layer_idx, evicted, limits)
         return True
 
     def _evicted_slots(self, keep: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
@@ -307,11 +332,6 @@ class D2O(Method):
         take = lambda t: t[row].gather(1, slots[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
         return take(layer.keys), take(layer.values)
 
-    def watch_merges(self, callback: Callable[[MergeEvent], None] | None) -> None:
-        """Call ``callback`` with a :class:`MergeEvent` after every merge (``None`` stops it); for
-        diagnostics (``scripts/d2o_merge_diagnostics.py``), not an option of the method."""
-        self.__dict__["_merge_watcher"] = callback
-
     def kept_kinds(self, layer: BudgetLayer, row: int, limit: int) -> torch.Tensor:
         """``[h, S]`` kind of each entry batch ``row`` of ``layer`` holds after an eviction to
         ``limit``: the first ``sinks`` valid entries ``SINK``, the last ``M`` ``RECENT``, the rest
@@ -325,6 +345,7 @@ class D2O(Method):
 
     def _merge_rows(
         self,
+        run: D2ORun,
         layer: BudgetLayer,
         layer_idx: int,
         evicted: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -333,8 +354,8 @@ class D2O(Method):
         """Merge each row's evicted keys and values ``evicted[r]: ([h, E, d], [h, E, d])`` into what
         ``layer`` kept (updating the row's ``τ``). The layer's kept keys and values are the merge's
         kept entries: ``layer.keep`` gathered them in slot order; ``limits[r]`` is the row's size."""
-        taus = self._run["tau"].setdefault(layer_idx, {})
-        watcher = self.__dict__.get("_merge_watcher")
+        taus = run.tau.setdefault(layer_idx, {})
+        watcher = run.merge_watcher
         merged = {}
         for r, (ev_keys, ev_values) in evicted.items():
             limit = limits[r]

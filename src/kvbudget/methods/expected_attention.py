@@ -10,7 +10,7 @@ import torch
 
 from kvbudget.allocation import adaptive_head_budgets, safeguard_head_budgets
 from kvbudget.errors import KVBudgetError, MethodOptionError, UnsupportedModelError
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
 from kvbudget.selection import protected_mask
 
@@ -51,6 +51,13 @@ def average_rotation(start: int, count: int, inv_freq: torch.Tensor, dim: int) -
 
 
 @dataclass
+class ExpectedAttentionRun(RunState):
+    """An Expected Attention run: the model's RoPE frequencies (``None``: no model bound)."""
+
+    inv_freq: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ExpectedAttention(Method):
     """Expected Attention: keep the entries future queries are expected to attend to, weighted by ‖v‖.
 
@@ -105,6 +112,12 @@ class ExpectedAttention(Method):
 
     name: ClassVar[str] = "expected-attention"
     paper: ClassVar[str] = "arXiv:2510.00636"
+    summary: ClassVar[str] = (
+        "attention expected from the prompt queries' mean and covariance moved to future RoPE "
+        "positions (closed form), times ‖v‖; AdaKV head budgets, 4 sinks"
+    )
+    code: ClassVar[str] = "NVIDIA/kvpress"
+    kvpress: ClassVar[str] = "ExpectedAttentionPress"
     fixed_allocation: ClassVar[str] = "its head split is its own adaptive option (with floor_alpha)"
     window: int = 0
     sinks: int = 4
@@ -138,8 +151,10 @@ class ExpectedAttention(Method):
                 f"{self.name}: floor must be one of {', '.join(self.FLOORS)}, got {self.floor!r}"
             )
 
-    def prepare(self, model: PreTrainedModel) -> None:
-        """Bind the model's RoPE frequencies (``rotary_emb.inv_freq`` of its decoder)."""
+    def start(self, model: PreTrainedModel | None = None) -> ExpectedAttentionRun:
+        """A run with the model's RoPE frequencies bound (``rotary_emb.inv_freq`` of its decoder)."""
+        if model is None:
+            return ExpectedAttentionRun()
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
         inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
         if inv_freq is None:
@@ -147,12 +162,15 @@ class ExpectedAttention(Method):
                 f"{self.name} needs the model's rotary embedding (rotary_emb.inv_freq), "
                 f"which {type(model).__name__} does not have"
             )
-        self.__dict__["_inv_freq"] = inv_freq.detach().float().cpu()
+        return ExpectedAttentionRun(inv_freq=inv_freq.detach().float().cpu())
 
     def score(self, obs: Observation) -> torch.Tensor:
-        inv_freq = self.__dict__.get("_inv_freq")
+        inv_freq = self.run_of(obs).inv_freq
         if inv_freq is None:
-            raise KVBudgetError(f"{self.name}: call prepare(model) first (kvbudget.compress/generate do)")
+            raise KVBudgetError(
+                f"{self.name}: start the run with the model, method.start(model) "
+                "(kvbudget.compress and generate do)"
+            )
         keys, values, valid = obs.keys.float(), obs.values.float(), obs.valid
         b, heads, n, d = keys.shape
         query = obs.query.float()

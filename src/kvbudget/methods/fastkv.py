@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,7 +20,7 @@ from kvbudget.observation import Observation
 from kvbudget.scoring import window_scores
 
 
-@dataclass
+@dataclass(frozen=True)
 class FastKV(PruneMethod):
     """FastKV: token-selective propagation (TSP) at a fixed layer.
 
@@ -50,6 +50,9 @@ class FastKV(PruneMethod):
 
     name: ClassVar[str] = "fastkv"
     paper: ClassVar[str] = "arXiv:2502.01068"
+    summary: ClassVar[str] = "SnapKV up to a fixed token-selection layer, only the selected tokens propagate"
+    code: ClassVar[str] = "dongwonjo/FastKV"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3}
     window: int = 8
     kernel: int = 7
     pooling: str = "max"
@@ -102,4 +105,6 @@ class FastKV(PruneMethod):
                 continue
             context = context_slots(obs, r, self.window)
             keep = top_slots(scores[r, context], context, keep_len - self.window)
-            self.request_cut(r, obs.layer_idx, torch.cat([keep, window_slots(obs, r, self.window)]))
+            self.run_of(obs).request_cut(
+                r, obs.layer_idx, torch.cat([keep, window_slots(obs, r, self.window)])
+            )

@@ -11,12 +11,13 @@ from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
 
-@dataclass
+@dataclass(frozen=True)
 class FullCache(Method):
     """No compression. Accepts any budget and ignores it."""
 
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "-"
+    summary: ClassVar[str] = "keeps everything (reference)"
     stages: ClassVar[tuple[str, ...]] = ()
     fixed_allocation: ClassVar[str] = "the full cache keeps every entry"
     window: int = 0

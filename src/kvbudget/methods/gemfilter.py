@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,7 +29,7 @@ def last_query_scores(obs: Observation, kernel: int) -> torch.Tensor:
     return pool_keys(dots.masked_fill(~obs.valid[:, :1], 0.0), kernel, "avg")[:, 0]
 
 
-@dataclass
+@dataclass(frozen=True)
 class GemFilter(PruneMethod):
     """GemFilter: select tokens at an early filter layer, then run the model on them only.
 
@@ -56,6 +56,9 @@ class GemFilter(PruneMethod):
 
     name: ClassVar[str] = "gemfilter"
     paper: ClassVar[str] = "arXiv:2409.17422"
+    summary: ClassVar[str] = "last query's raw q·k at an early layer selects tokens; the model reruns on them"
+    code: ClassVar[str] = "SalesforceAIResearch/GemFilter"
+    small_options: ClassVar[dict[str, Any]] = {"kernel": 3}
     two_pass: ClassVar[bool] = True
     window: int = 1
     kernel: int = 5
@@ -87,4 +90,6 @@ class GemFilter(PruneMethod):
                 continue
             context = context_slots(obs, r, self.window)
             keep = top_slots(scores[r, context], context, target - self.window)
-            self.request_cut(r, obs.layer_idx, torch.cat([keep, window_slots(obs, r, self.window)]))
+            self.run_of(obs).request_cut(
+                r, obs.layer_idx, torch.cat([keep, window_slots(obs, r, self.window)])
+            )

@@ -12,7 +12,7 @@ from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
 
 
-@dataclass
+@dataclass(frozen=True)
 class H2O(Method):
     """H2O: keep the heavy hitters and a recent window; evict one entry per decode step.
 
@@ -31,6 +31,8 @@ class H2O(Method):
 
     name: ClassVar[str] = "h2o"
     paper: ClassVar[str] = "arXiv:2306.14048"
+    summary: ClassVar[str] = "accumulated attention (heavy hitters) + recent, one eviction per step"
+    code: ClassVar[str] = "FMInference/H2O"
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     window: int = 0
     heavy_fraction: float = 0.5

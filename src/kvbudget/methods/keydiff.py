@@ -27,7 +27,7 @@ def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return -F.cosine_similarity(keys.float(), anchor[:, :, None, :], dim=-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class KeyDiff(Method):
     """KeyDiff: evict the keys most similar to the cache's mean direction.
 
@@ -54,6 +54,8 @@ class KeyDiff(Method):
 
     name: ClassVar[str] = "keydiff"
     paper: ClassVar[str] = "arXiv:2504.15364"
+    summary: ClassVar[str] = "keys least similar (cosine) to the mean key; query-free"
+    kvpress: ClassVar[str] = "KeyDiffPress"
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     window: int = 0
 

@@ -11,7 +11,7 @@ from kvbudget.methods.composable import Composable
 from kvbudget.observation import Observation
 
 
-@dataclass
+@dataclass(frozen=True)
 class KNorm(Composable):
     """Score = −‖k_j‖₂ per head: low-norm keys tend to draw high attention.
 
@@ -26,6 +26,8 @@ class KNorm(Composable):
 
     name: ClassVar[str] = "knorm"
     paper: ClassVar[str] = "arXiv:2406.11430"
+    summary: ClassVar[str] = "smallest key L2 norms"
+    kvpress: ClassVar[str] = "KnormPress"
     window: int = 0
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -12,9 +12,9 @@ import torch
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.masks import in_window
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.selection import protected_mask, select_keep
-from kvbudget.session import CompressionSession
+from kvbudget.session import CompressionSession, Phase
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -104,7 +104,7 @@ class ReconstructionScores(CompressionSession):
         self, method: KVzip, num_layers: int, context: list[BudgetLayer], scores: list[torch.Tensor]
     ):
         super().__init__(method, num_layers, budget=1)
-        self.phase = "reconstruct"
+        self.phase = Phase.RECONSTRUCT
         self.context = context
         self.scores = scores
         self.span = (0, 0, 0)  # lead, start, end
@@ -158,6 +158,13 @@ def _row_layer(layer: BudgetLayer, row: int) -> BudgetLayer:
 
 
 @dataclass
+class KVzipRun(RunState):
+    """A KVzip run: the model's reconstruction prompts (``None``: no model bound)."""
+
+    prompts: ReconstructionPrompts | None = None
+
+
+@dataclass(frozen=True)
 class KVzip(Method):
     """KVzip: keep the entries the model attends to most while it reconstructs the context.
 
@@ -213,6 +220,14 @@ class KVzip(Method):
 
     name: ClassVar[str] = "kvzip"
     paper: ClassVar[str] = "arXiv:2505.23416"
+    summary: ClassVar[str] = (
+        'the model re-reads the context after "Repeat the previous context"; each entry\'s score is '
+        "the most attention that pass pays it; one top-k over all layers and heads (ragged heads)"
+    )
+    code: ClassVar[str] = "snu-mllab/KVzip"
+    kvpress: ClassVar[str] = "KVzipPress"
+    #: two or more reconstruction passes on the tiny prompts
+    small_options: ClassVar[dict[str, Any]] = {"chunk": 48}
     stages: ClassVar[tuple[str, ...]] = ("lookahead",)
     fixed_allocation: ClassVar[str] = "its budgets come from its reconstruction scores (the level option)"
 
@@ -242,12 +257,15 @@ class KVzip(Method):
         """Whether layers keep different budgets (``level="pair"``)."""
         return self.level == "pair"
 
-    def prepare(self, model: PreTrainedModel) -> None:
+    def start(self, model: PreTrainedModel | None = None) -> KVzipRun:
+        """A run with the model's reconstruction prompts bound (built once per model)."""
+        if model is None:
+            return KVzipRun()
         key = (self.repeat_prompt, self.continue_prompt)
         per_model = _PROMPTS.setdefault(model, {})
         if key not in per_model:
             per_model[key] = reconstruction_prompts(model, self.repeat_prompt, self.continue_prompt)
-        self.__dict__["_prompts"] = per_model[key]
+        return KVzipRun(prompts=per_model[key])
 
     # ------------------------------------------------------------------ the stage
     @torch.inference_mode()
@@ -264,7 +282,7 @@ class KVzip(Method):
         session = cache.session
         if all(t is None for t in session.targets):
             return
-        if session.prompt_ids is None or "_prompts" not in self.__dict__:
+        if session.prompt_ids is None or getattr(session.run, "prompts", None) is None:
             raise KVBudgetError(
                 f"{self.name} needs the prompt's token ids and the model's prompts: run it through "
                 "kvbudget.generate, kvbudget.compress or snapshot.derive"
@@ -292,7 +310,7 @@ class KVzip(Method):
     ) -> tuple[list[torch.Tensor], int]:
         """Reconstruction scores of batch row ``r``: per layer ``[kv_heads, n_r]`` over its valid
         entries, and its always-kept anchor count (template prefix or sinks)."""
-        prompts: ReconstructionPrompts = self.__dict__["_prompts"]
+        prompts: ReconstructionPrompts = cache.session.run.prompts
         context = [_row_layer(layer, r) for layer in cache.layers]
         n_r = context[0].keys.shape[2]
         tokens = ids[ids.shape[0] - n_r :].tolist()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -34,7 +34,7 @@ def lag_relative_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
     return normalised.std(dim=-1).softmax(dim=-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LagKV(Method):
     """LagKV: score each chunk of ``lag_size`` tokens by how its keys and values spread relative to
     the next chunk, and keep the same share of every chunk.
@@ -74,6 +74,12 @@ class LagKV(Method):
 
     name: ClassVar[str] = "lagkv"
     paper: ClassVar[str] = "arXiv:2504.04704"
+    summary: ClassVar[str] = (
+        "key/value spread relative to the next 128-token chunk; sinks, tail and an even share of every chunk"
+    )
+    code: ClassVar[str] = "AI-Lab-China-Merchants-Bank/LagKV"
+    kvpress: ClassVar[str] = "LagKVPress"
+    small_options: ClassVar[dict[str, Any]] = {"sinks": 2, "lag_size": 8}
     fixed_allocation: ClassVar[str] = "LagKV keeps the same share of every partition of every head"
     window: int = 0
     sinks: int = 16

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -14,12 +14,20 @@ from kvbudget.allocation import (
     pyramid_layer_budget,
 )
 from kvbudget.errors import MethodOptionError
-from kvbudget.methods.layerwise import LayerwiseMethod
+from kvbudget.methods.layerwise import LayerwiseMethod, LayerwiseRun
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import max_l1_value_norm, pool_keys
 
 
 @dataclass
+class LAVaRun(LayerwiseRun):
+    """A LAVa run: the cascade's plan, and per (row, layer) the layer's first flattened order and
+    its candidate count, which the floored head split of a re-eviction counts in."""
+
+    first_orders: dict[tuple[int, int], tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LAVa(LayerwiseMethod):
     """LAVa: one score comparable across heads and layers decides every head's and layer's budget.
 
@@ -92,6 +100,12 @@ class LAVa(LayerwiseMethod):
 
     name: ClassVar[str] = "lava"
     paper: ClassVar[str] = "arXiv:2509.09754"
+    summary: ClassVar[str] = (
+        "window attention × value norm compared across heads; layer budgets from score entropy, "
+        "earlier layers re-evicted as the prefill goes"
+    )
+    code: ClassVar[str] = "MGDDestiny/Lava"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3}
     layer_allocators: ClassVar[tuple[str, ...]] = ("entropy", "uniform", "pyramid")
     head_allocators: ClassVar[tuple[str, ...]] = ("flat", "uniform")
     allocator_params: ClassVar[dict[str, tuple[str, str]]] = {"beta": ("layer_alloc", "pyramid")}
@@ -170,18 +184,22 @@ class LAVa(LayerwiseMethod):
         return flattened_head_budgets(masked, total, 0.0, bounds)
 
     # ------------------------------------------------------------------ the authors' floor
+    def start(self, model: object = None) -> LAVaRun:
+        return LAVaRun()
+
     def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         if obs.layer_idx == 0:
-            self.__dict__["_first_orders"] = {}  # (row, layer) → the layer's first flattened order
+            self.run_of(obs).first_orders.clear()
         return super().compress_layer(obs, targets)
 
-    def rebalance(self, layers: list, targets: list[int | None]) -> None:
-        super().rebalance(layers, targets)
-        if len(layers) >= self.__dict__.get("_num_layers", 1 << 30):
-            self.__dict__.pop("_first_orders", None)
+    def rebalance(self, layers: list, targets: list[int | None], run: LAVaRun) -> None:
+        super().rebalance(layers, targets, run)
+        if len(layers) >= run.num_layers:
+            run.first_orders.clear()
 
     def split_for(
         self,
+        run: LAVaRun,
         row: int,
         layer_idx: int,
         target: int,
@@ -192,7 +210,7 @@ class LAVa(LayerwiseMethod):
     ) -> torch.Tensor:
         if self.floor_alpha == 0.0:
             return self.split(scores, candidates, total, bounds)
-        orders = self.__dict__.setdefault("_first_orders", {})
+        orders = run.first_orders
         key = (row, layer_idx)
         # the layer's own prefill orders its candidates; a re-eviction recounts in that first order
         order, capacity = orders[key] if key in orders else first_flat_order(scores, candidates)

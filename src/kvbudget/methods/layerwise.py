@@ -13,8 +13,9 @@ budgets from the scores they stored as per-entry state — an earlier layer's fu
 needed again, so the cache holds about ``T`` entries plus one full layer at any time. The stored
 scores are dropped once the last layer is prefilled (the budgets are final then).
 
-The per-run plan (weights and budgets per batch row and layer) lives on the method object, which
-the engine creates fresh per run; it is reset whenever layer 0 is compressed.
+The per-run plan (weights and budgets per batch row and layer) lives in the run's state
+(:class:`LayerwiseRun`, ``obs.run``), which the compression session owns; it is reset whenever
+layer 0 is compressed.
 
 **Rank fast path.** When a method's selection at any budget is a prefix of one fixed order of the
 layer's candidates (:meth:`LayerwiseMethod.selection_order`: LAVa's plain flattened top-k, CAKE's
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from kvbudget.allocation import cascade_layer_budgets
 from kvbudget.cache import BudgetLayer
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import protected_mask, select_keep
@@ -77,6 +78,15 @@ class CascadePlan:
 
     rows: list[RowPlan | None]
     last_layer: int = -1
+
+
+@dataclass
+class LayerwiseRun(RunState):
+    """What a run of a :class:`LayerwiseMethod` learns: the cascade's plan (``None`` until a
+    cascading method compresses layer 0) and the model's layer count (seen at the first layer)."""
+
+    plan: CascadePlan | None = None
+    num_layers: int = 1 << 30
 
 
 #: rank of an entry that is never kept (invalid slots, pads)
@@ -162,7 +172,7 @@ def below(ranks: torch.Tensor, thresholds: list[int]) -> tuple[list[list[torch.T
     return keep, mask.sum(-1).cpu()
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerwiseMethod(Method):
     """Base of LAVa and CAKE: layer-wise compression with (optionally cascading) layer budgets."""
 
@@ -203,6 +213,7 @@ class LayerwiseMethod(Method):
 
     def split_for(
         self,
+        run: LayerwiseRun,
         row: int,
         layer_idx: int,
         target: int,
@@ -212,7 +223,8 @@ class LayerwiseMethod(Method):
         bounds: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`split` for batch row ``row`` of layer ``layer_idx`` whose budget is ``target``
-        (entries per head, window included): what :meth:`compress_layer` and :meth:`rebalance` call.
+        (entries per head, window included) in ``run``: what :meth:`compress_layer` and
+        :meth:`rebalance` call.
         Override it when the split depends on more than the scores — LAVa's floor keeps the layer's
         first order and takes its size from ``target``. Same arguments and result as :meth:`split`."""
         return self.split(scores, candidates, total, bounds)
@@ -225,22 +237,21 @@ class LayerwiseMethod(Method):
         return None
 
     # ------------------------------------------------------------------ plan
-    @property
-    def plan(self) -> CascadePlan | None:
-        return self.__dict__.get("_plan")
+    def start(self, model: object = None) -> LayerwiseRun:
+        return LayerwiseRun()
 
-    def _start(self, layer_idx: int, rows: int) -> CascadePlan:
-        plan = self.plan
+    def _start(self, run: LayerwiseRun, layer_idx: int, rows: int) -> CascadePlan:
+        plan = run.plan
         if layer_idx == 0 or plan is None or len(plan.rows) != rows or layer_idx <= plan.last_layer:
             plan = CascadePlan([None] * rows)
-            self.__dict__["_plan"] = plan
+            run.plan = plan
         plan.last_layer = layer_idx
         return plan
 
-    def row_budget(self, row: int, layer_idx: int) -> int | None:
+    def row_budget(self, run: LayerwiseRun, row: int, layer_idx: int) -> int | None:
         """Entries per head layer ``layer_idx`` of batch row ``row`` keeps after the prefill
         (window included), or ``None`` if the row was not compressed by a cascade."""
-        plan = self.plan
+        plan = run.plan
         if plan is None or row >= len(plan.rows) or plan.rows[row] is None:
             return None
         rp = plan.rows[row]
@@ -252,8 +263,9 @@ class LayerwiseMethod(Method):
         lengths = obs.lengths
         heads = obs.num_kv_heads
         kept = lengths[:, None].expand(-1, heads).clone().cpu()
-        plan = self._start(obs.layer_idx, len(targets)) if self.cascading else None
-        self.__dict__["_num_layers"] = obs.num_layers
+        run = self.run_of(obs)
+        plan = self._start(run, obs.layer_idx, len(targets)) if self.cascading else None
+        run.num_layers = obs.num_layers
         if all(t is None for t in targets):
             return kept
         scores = self.score(obs).float()
@@ -288,7 +300,7 @@ class LayerwiseMethod(Method):
                 thresholds[r] = total
                 continue
             counts = self.split_for(
-                r, obs.layer_idx, target, scores[r], candidates, total, candidates.sum(-1).cpu()
+                run, r, obs.layer_idx, target, scores[r], candidates, total, candidates.sum(-1).cpu()
             )
             kept[r] = counts + protected[r].sum(-1).cpu()
         if ranks is not None:
@@ -302,7 +314,7 @@ class LayerwiseMethod(Method):
         obs.layer.keep(select_keep(scores, kept, valid, protected))
         return kept
 
-    def rebalance(self, layers: list, targets: list[int | None]) -> None:
+    def rebalance(self, layers: list, targets: list[int | None], run: LayerwiseRun) -> None:
         """Re-evict ``layers[:-1]`` to the budgets the last :meth:`compress_layer` recomputed.
 
         Each layer keeps the top of the scores it stored (``state[state_name]``) among its current
@@ -311,16 +323,16 @@ class LayerwiseMethod(Method):
         stored ranks instead, and keeps the entries of rank below its budget. After the last
         layer the stored state is dropped.
         """
-        plan = self.plan
+        plan = run.plan
         if plan is None:
             return
-        final = len(layers) >= self.__dict__.get("_num_layers", 1 << 30)
+        final = len(layers) >= run.num_layers
         for i, layer in enumerate(layers[:-1]):
             if self.state_name not in layer.state:
                 continue
             stored = layer.state[self.state_name]
             if (stored[0] if isinstance(stored, list) else stored).dtype == torch.int32:
-                self._reevict_ranks(i, layer, targets, final)
+                self._reevict_ranks(plan, i, layer, targets, final)
                 continue
             scores, positions = padded_view(layer, self.state_name)
             valid = positions >= 0
@@ -334,7 +346,7 @@ class LayerwiseMethod(Method):
                 protected[r] = protected_mask(positions[r : r + 1], self.window_for(target), self.sinks)[0]
                 candidates = valid[r] & ~protected[r]
                 have = candidates.sum(-1).cpu()
-                counts = self.split_for(r, i, target, scores[r], candidates, rp.budgets[i], have)
+                counts = self.split_for(run, r, i, target, scores[r], candidates, rp.budgets[i], have)
                 if not torch.equal(counts, have):
                     changed = True
                 kept[r] = counts + protected[r].sum(-1).cpu()
@@ -354,7 +366,9 @@ class LayerwiseMethod(Method):
             0 if rp is None else int(reduce(per_head[r] - rp.protected, dim=-1)) for r, rp in enumerate(rows)
         ]
 
-    def _reevict_ranks(self, i: int, layer: BudgetLayer, targets: list[int | None], final: bool) -> None:
+    def _reevict_ranks(
+        self, plan: CascadePlan, i: int, layer: BudgetLayer, targets: list[int | None], final: bool
+    ) -> None:
         """Rank fast path of :meth:`rebalance` for layer ``i``: keep the entries of rank below each
         row's budget (rows without a cascade budget keep what they hold). Works head by head on
         the stored layout (no padding); edits the layer only if some entry goes.
@@ -365,7 +379,6 @@ class LayerwiseMethod(Method):
         re-evicting after every layer (Alg. 2); only the cache held mid-prefill is up to that
         factor above the cascade's total, and a layer is rewritten a few times instead of once
         per later layer."""
-        plan = self.plan
         rows = len(targets)
         thresholds = []
         for r, target in enumerate(targets):

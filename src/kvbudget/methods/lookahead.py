@@ -38,7 +38,7 @@ from kvbudget.methods.lava import LAVa
 from kvbudget.methods.snapkv import SnapKV
 from kvbudget.methods.streamingllm import StreamingLLM
 from kvbudget.observation import Observation
-from kvbudget.session import CompressionSession, replay_prefill
+from kvbudget.session import CompressionSession, Phase, replay_prefill
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -192,7 +192,8 @@ class QueryCapture(CompressionSession):
 
 @dataclass
 class Lookahead:
-    """What one lookahead produced (kept on the method as ``last_lookahead`` for inspection).
+    """What one lookahead produced (kept in the run state as ``lookahead`` for inspection:
+    ``cache.session.run.lookahead``).
 
     Attributes:
         tokens: ``[b, m]`` the pseudo tokens fed to the clone (the first is the first real output token).
@@ -207,7 +208,7 @@ class Lookahead:
     queries: dict[int, torch.Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LookaheadMixin:
     """The lookahead stage; combined with a window method (scorer + allocator) it makes LAQ.
 
@@ -354,7 +355,7 @@ class LookaheadMixin:
         session.lookahead_seconds += middle - start
         session.reselect_seconds += end - middle
         session.compress_seconds += end - start
-        self.__dict__["last_lookahead"] = record
+        session.run.lookahead = record
 
     def pseudo_decode(
         self,
@@ -393,7 +394,7 @@ class LookaheadMixin:
 
         for _ in replay_prefill(clone, cache.layers, session.recorded_queries, session.scaling, copy):
             pass  # compress the clone as its prefill would have
-        capture.phase, capture.capturing = "decode", True
+        capture.phase, capture.capturing = Phase.DECODE, True
         device = logits.device
         stop = torch.tensor(sorted(eos), dtype=torch.long, device=device)
         token = logits.argmax(-1)
@@ -450,11 +451,11 @@ class LookaheadMixin:
             obs = LookaheadObservation(
                 layer_idx, num_layers, recorded[:, :, recorded.shape[2] - w2 :], layer, session.scaling,
                 pseudo_query=record.queries[layer_idx], pseudo_valid=record.valid,
-                pseudo_positions=record.positions,
+                pseudo_positions=record.positions, run=session.run,
             )  # fmt: skip
             session.kept[:, layer_idx] = self.compress_layer(obs, session.targets)
             if self.cascading:
-                self.rebalance(cache.layers[: layer_idx + 1], session.targets)
+                self.rebalance(cache.layers[: layer_idx + 1], session.targets, session.run)
                 for earlier in range(layer_idx):
                     session.kept[:, earlier] = cache.layers[earlier].head_lengths().cpu()
             for noted in range(layer_idx + 1) if self.cascading else (layer_idx,):
@@ -462,7 +463,7 @@ class LookaheadMixin:
         session.recorded_queries.clear()
 
 
-@dataclass
+@dataclass(frozen=True)
 class LAQ(LookaheadMixin, SnapKV):
     """LAQ: the pseudo queries alone are the observation window (Eq. 4); no window is protected.
 
@@ -500,10 +501,16 @@ class LAQ(LookaheadMixin, SnapKV):
 
     name: ClassVar[str] = "laq"
     paper: ClassVar[str] = "arXiv:2505.20334"
+    summary: ClassVar[str] = (
+        "8 pseudo answer tokens decoded on a SnapKV clone; their queries re-score the full cache (Eq. 4)"
+    )
+    code: ClassVar[str] = "noforit/Lookahead_Q-Cache"
+    kvpress: ClassVar[str] = ""
+    small_options: ClassVar[dict[str, Any]] = {"kernel": 3, "steps": 3, "lookahead_window": 4}
     window: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class LAQLava(LookaheadMixin, LAVa):
     """LAQ with LAVa's score and budgets: the laq++ observation (last 8 prompt queries + the pseudo
     queries) replaces LAVa's window in Eq. 6; LAVa's flattened head budgets and cascading entropy
@@ -513,4 +520,7 @@ class LAQLava(LookaheadMixin, LAVa):
 
     name: ClassVar[str] = "laq-lava"
     paper: ClassVar[str] = "arXiv:2505.20334"
+    summary: ClassVar[str] = "the laq++ observation with LAVa's score and budgets"
+    code: ClassVar[str] = "noforit/Lookahead_Q-Cache"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3, "steps": 3, "lookahead_window": 4}
     window: int = 8

@@ -36,7 +36,7 @@ def queries_seeing(obs: Observation) -> torch.Tensor:
     return seeing.view_as(positions)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObservedAttention(Composable):
     """Observed attention: keep the entries the prompt's queries attend to most, on average.
 
@@ -86,6 +86,12 @@ class ObservedAttention(Composable):
 
     name: ClassVar[str] = "observed-attention"
     paper: ClassVar[str] = "arXiv:2306.14048"
+    summary: ClassVar[str] = (
+        "attention each token receives, averaged over the prompt queries that see it (kvpress's "
+        "ObservedAttention); no window"
+    )
+    code: ClassVar[str] = "NVIDIA/kvpress"
+    kvpress: ClassVar[str] = "ObservedAttentionPress"
     window: int = 0
     chunk: int = 512
 

@@ -1,7 +1,8 @@
 """Methods whose budgets come from an offline profile (SqueezeAttention, BaKlaVa).
 
-:class:`ProfiledMethod` binds the model's profile in :meth:`prepare` (called by the engine, the
-shared-prefill ``derive`` and the perplexity task before a run), turns it into a budget per KV
+:class:`ProfiledMethod` binds the model's profile to each run in :meth:`~ProfiledMethod.start`
+(a :class:`ProfiledRun`, started by the engine, the shared-prefill ``derive`` and the perplexity
+task), turns it into a budget per KV
 cache — ``[layers, kv_heads]`` entries for a row of budget ``B`` whose prompt has ``N`` tokens —
 and keeps each cache at its own budget: at the end of the prefill, and (StreamingLLM eviction) after
 every decode step.
@@ -14,19 +15,19 @@ budgets, each layer's total ``b_l·kv_heads`` over its own heads by their shares
 (same rules). A layer's total is therefore always what the split gave it.
 
 The compression ratio that picks tuned parameters is ``budget / prompt length`` of each row unless
-:meth:`ProfiledMethod.pin_ratio` fixed it (the tuning grid search pins the ratio it tunes for).
+the run's pin fixed it (:meth:`ProfiledRun.pin`; the tuning grid search pins the ratio it tunes for).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from kvbudget.allocation import largest_remainder_round, squeeze_layer_weights
 from kvbudget.errors import BudgetError, MethodOptionError, ProfileError
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
 from kvbudget.profiles import Profile, resolve_profile
 from kvbudget.selection import protected_mask, select_keep
@@ -69,6 +70,42 @@ def bounded_budgets(shares: torch.Tensor, total: int, capacity: int) -> torch.Te
 
 
 @dataclass
+class ProfiledRun(RunState):
+    """A run of a :class:`ProfiledMethod`: the model's profile (``None``: no model bound), plans and
+    layer weights memoised for it, the pinned ratio, and per row the ratio, first position and
+    prompt length the prefill's plan was made for (held through the decode)."""
+
+    bound: Profile | None = None
+    plans: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    layer_weights: dict[float, torch.Tensor] = field(default_factory=dict)
+    pinned_ratio: float | None = None
+    ratios: dict[int, float] = field(default_factory=dict)
+    offsets: list[int] = field(default_factory=list)
+    capacities: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def profile(self) -> Profile:
+        if self.bound is None:
+            raise ProfileError(
+                "this run has no profile bound: start it with the model, method.start(model) "
+                "(kvbudget.generate, compress, the eval runner and the perplexity task do)"
+            )
+        return self.bound
+
+    def pin(self, ratio: float | None) -> float | None:
+        """Fix the compression ratio that picks tuned parameters for every row until unpinned
+        (``None`` = derive it from each row, :meth:`ProfiledMethod.row_ratio`); returns the previous
+        pin. Used by the chunked perplexity (``kvbudget tune``), whose prefills of ``budget`` tokens
+        would otherwise look up ``budget / (budget + chunk)`` instead of the passage's ratio."""
+        valid = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0
+        if ratio is not None and not valid:
+            raise BudgetError(f"a pinned compression ratio must be in (0, 1], got {ratio!r}")
+        previous = self.pinned_ratio
+        self.pinned_ratio = None if ratio is None else float(ratio)
+        return previous
+
+
+@dataclass(frozen=True)
 class ProfiledMethod(Method):
     """Base of profile-driven methods: per-cache budgets from a profile, StreamingLLM eviction.
 
@@ -104,32 +141,22 @@ class ProfiledMethod(Method):
         return 1
 
     # ------------------------------------------------------------------ profile
-    def prepare(self, model: Any) -> None:
-        """Load (or build) the model's profile and check it fits the model."""
+    def start(self, model: Any = None) -> ProfiledRun:
+        """A run with the model's profile loaded (or built) and checked to fit the model."""
+        if model is None:
+            return ProfiledRun()
         profile = resolve_profile(model, self.profile)
         layers = model.config.num_hidden_layers
         if profile.num_layers != layers:
             raise ProfileError(f"profile has {profile.num_layers} layers, the model {layers}")
-        self.__dict__["_profile"] = profile
-        self.__dict__["_plans"] = {}
-        self.__dict__["_layer_weights"] = {}  # memoised per p for *this* profile
+        return ProfiledRun(bound=profile)
 
-    @property
-    def bound_profile(self) -> Profile:
-        profile = self.__dict__.get("_profile")
-        if profile is None:
-            raise ProfileError(
-                f"{self.name} has no profile bound: call method.prepare(model) first "
-                "(kvbudget.generate, compress, the eval runner and the perplexity task do)"
-            )
-        return profile
-
-    def tuned(self, ratio: float, names: tuple[str, ...] | None = None) -> dict[str, float]:
-        """Tuned parameters stored in the profile at the ratio nearest ``ratio``: the first of
+    def tuned(self, run: ProfiledRun, ratio: float, names: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Tuned parameters stored in the run's profile at the ratio nearest ``ratio``: the first of
         ``names`` (default: this method, then ``tuned_from``) that has a search."""
         for name in names or (self.name, *self.tuned_from):
             best = None
-            for key, entry in self.bound_profile.tuned.get(name, {}).items():
+            for key, entry in run.profile.tuned.get(name, {}).items():
                 if not isinstance(entry, dict) or not isinstance(entry.get("best"), dict):
                     continue
                 try:
@@ -142,34 +169,36 @@ class ProfiledMethod(Method):
                 return dict(best[1])
         return {}
 
-    def resolved_p(self, ratio: float) -> float:
+    def resolved_p(self, run: ProfiledRun, ratio: float) -> float:
         """``p``: the option, else this method's tuned ``p``, else SqueezeAttention's tuned ``p`` (the
         layer split BaKlaVa builds on), else 0.3."""
         if self.p >= 0:
             return self.p
         for names in (None, ("squeezeattention",)):
-            value = self.tuned(ratio, names).get("p")
+            value = self.tuned(run, ratio, names).get("p")
             if value is not None:
                 return float(value)
         return self.default_p
 
     # ------------------------------------------------------------------ budgets
-    def layer_shares(self, ratio: float) -> torch.Tensor:
+    def layer_shares(self, run: ProfiledRun, ratio: float) -> torch.Tensor:
         """SqueezeAttention's layer split, ``[layers]`` float64 relative budgets (mean 1)."""
-        p = self.resolved_p(ratio)
-        memo = self.__dict__.setdefault("_layer_weights", {})
+        p = self.resolved_p(run, ratio)
+        memo = run.layer_weights
         if p not in memo:
-            weights = squeeze_layer_weights(self.bound_profile.layer_similarity, p)
+            weights = squeeze_layer_weights(run.profile.layer_similarity, p)
             memo[p] = torch.tensor(weights, dtype=torch.float64)
         return memo[p]
 
-    def head_shares(self, ratio: float) -> torch.Tensor:
+    def head_shares(self, run: ProfiledRun, ratio: float) -> torch.Tensor:
         """Relative budget of each cache within its layer, ``[layers, kv_heads]`` float64 (uniform
         here; only the ratios within a row matter). Used when ``granularity == "cache"``."""
-        profile = self.bound_profile
+        profile = run.profile
         return torch.ones(profile.num_layers, profile.num_kv_heads, dtype=torch.float64)
 
-    def cache_budgets(self, budget: int, capacity: int, ratio: float | None = None) -> torch.Tensor:
+    def cache_budgets(
+        self, run: ProfiledRun, budget: int, capacity: int, ratio: float | None = None
+    ) -> torch.Tensor:
         """Entries each cache keeps, ``[layers, kv_heads]`` int64, summing to ``budget·layers·kv_heads``
         (or everything, when that covers ``capacity`` tokens per cache). ``ratio`` picks the tuned
         parameters (default ``budget / capacity``).
@@ -180,49 +209,35 @@ class ProfiledMethod(Method):
         proportion to :meth:`head_shares` (each in ``[1, capacity]``), so every layer keeps exactly
         ``b_l·kv_heads`` entries.
         """
-        plans = self.__dict__.setdefault("_plans", {})
+        plans = run.plans
         ratio = budget / max(capacity, 1) if ratio is None else ratio
         key = (budget, capacity, ratio)
         if key not in plans:
-            profile = self.bound_profile
+            profile = run.profile
             layers, heads = profile.num_layers, profile.num_kv_heads
-            per_layer = bounded_budgets(self.layer_shares(ratio), budget * layers, capacity)
+            per_layer = bounded_budgets(self.layer_shares(run, ratio), budget * layers, capacity)
             if self.granularity == "layer":
                 plans[key] = per_layer[:, None].expand(-1, heads).clone()
             else:
-                within = self.head_shares(ratio)
+                within = self.head_shares(run, ratio)
                 plans[key] = torch.stack(
                     [bounded_budgets(within[i], int(per_layer[i]) * heads, capacity) for i in range(layers)]
                 )
         return plans[key]
 
-    def pin_ratio(self, ratio: float | None) -> float | None:
-        """Fix the compression ratio that picks tuned parameters for every row until unpinned
-        (``None`` = derive it from each row, :meth:`row_ratio`); returns the previous pin. Used by
-        the chunked perplexity (``kvbudget tune``), whose prefills of ``budget`` tokens would
-        otherwise look up ``budget / (budget + chunk)`` instead of the passage's ratio."""
-        valid = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0
-        if ratio is not None and not valid:
-            raise BudgetError(f"{self.name}: a pinned compression ratio must be in (0, 1], got {ratio!r}")
-        previous = self.__dict__.get("_pinned_ratio")
-        self.__dict__["_pinned_ratio"] = None if ratio is None else float(ratio)
-        return previous
-
-    def row_ratio(self, row: int, budget: int, capacity: int) -> float:
+    def row_ratio(self, run: ProfiledRun, row: int, budget: int, capacity: int) -> float:
         """The compression ratio that picks a row's tuned parameters, fixed for the whole run: the
-        pinned ratio (:meth:`pin_ratio`) if any, else ``budget / prompt length`` at a compressing
-        prefill, else ``budget / tokens seen`` at the first decode step (pass ``t``/``r``/``p``
-        explicitly to be independent of it)."""
-        pinned = self.__dict__.get("_pinned_ratio")
-        if pinned is not None:
-            return pinned
-        ratios = self.__dict__.setdefault("_ratios", {})
-        if row not in ratios:
-            ratios[row] = budget / max(capacity, 1)
-        return ratios[row]
+        pinned ratio (:meth:`ProfiledRun.pin`) if any, else ``budget / prompt length`` at a
+        compressing prefill, else ``budget / tokens seen`` at the first decode step (pass
+        ``t``/``r``/``p`` explicitly to be independent of it)."""
+        if run.pinned_ratio is not None:
+            return run.pinned_ratio
+        if row not in run.ratios:
+            run.ratios[row] = budget / max(capacity, 1)
+        return run.ratios[row]
 
-    def check_shape(self, obs: Observation) -> None:
-        profile = self.bound_profile
+    def check_shape(self, run: ProfiledRun, obs: Observation) -> None:
+        profile = run.profile
         heads = obs.layer.num_heads
         if profile.num_kv_heads != heads or profile.num_layers != obs.num_layers:
             raise ProfileError(
@@ -243,26 +258,24 @@ class ProfiledMethod(Method):
         lengths = obs.lengths
         heads = obs.num_kv_heads
         kept = lengths[:, None].expand(-1, heads).clone().cpu()
+        run = self.run_of(obs)
         if obs.layer_idx == 0:  # a new prefill: first valid position of each row (left padding)
             first = obs.positions[:, 0].masked_fill(~obs.valid[:, 0], 1 << 62).amin(-1)
-            self.__dict__["_offsets"] = first.tolist()
-            self.__dict__["_ratios"] = {
-                r: t / int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None
-            }
+            run.offsets = first.tolist()
+            run.ratios = {r: t / int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None}
             # the prompt length each compressed row's plan was made for, held through the decode
-            self.__dict__["_capacities"] = {
-                r: int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None
-            }
+            run.capacities = {r: int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None}
         if all(t is None for t in targets):
             return kept
-        self.check_shape(obs)
+        self.check_shape(run, obs)
         scores = self.score(obs)
         valid = obs.valid
         protected = torch.zeros_like(valid)
         for r, target in enumerate(targets):
             if target is None:
                 continue
-            budgets = self.cache_budgets(target, int(lengths[r]), self.row_ratio(r, target, int(lengths[r])))
+            length = int(lengths[r])
+            budgets = self.cache_budgets(run, target, length, self.row_ratio(run, r, target, length))
             budgets = budgets[obs.layer_idx]
             for h in range(heads):
                 b = int(budgets[h])
@@ -286,19 +299,19 @@ class ProfiledMethod(Method):
         lengths = layer.head_lengths().cpu()  # [b, h]
         heads = lengths.shape[1]
         positions = [layer.head(h)[2] for h in range(heads)]  # per head [b, n_h]
-        offsets = self.__dict__.get("_offsets") or []
-        prefill_capacity = self.__dict__.get("_capacities") or {}
+        run = self.run_of(obs)
+        offsets, prefill_capacity = run.offsets, run.capacities
         limits = []
         for r, budget in enumerate(row_budgets):
             last = max(int(p[r].max()) for p in positions)
             first = offsets[r] if r < len(offsets) else min(int(p[r][p[r] >= 0].min()) for p in positions)
             capacity = prefill_capacity.get(r, last - first + 1)
-            base = budget - self.appended(r)  # the plan is the prefill's; what was appended is kept on top
-            plan = self.cache_budgets(base, capacity, self.row_ratio(r, base, capacity))
-            limits.append(plan[obs.layer_idx] + self.appended(r))
+            base = budget - run.appended_to(r)  # the prefill's plan; what was appended is kept on top
+            plan = self.cache_budgets(run, base, capacity, self.row_ratio(run, r, base, capacity))
+            limits.append(plan[obs.layer_idx] + run.appended_to(r))
         if all(bool((lengths[r] <= limits[r]).all()) for r in range(len(row_budgets))):
             return
-        self.check_shape(obs)
+        self.check_shape(run, obs)
         keep: list[list[torch.Tensor]] = []
         for r in range(len(row_budgets)):
             row = []

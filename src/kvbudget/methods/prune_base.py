@@ -4,10 +4,10 @@ A prune-stage method changes the prefill forward itself: after some layer, deepe
 only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prune`) runs
 the decoder layers one by one; after each layer's attention the compression session calls
 :meth:`PruneMethod.compress_layer` (as for prefill-stage methods), where the method scores the layer,
-may request a cut with :meth:`request_cut`, and may compress the layer's cache (``compress_cache``).
-After the layer's MLP
-the engine takes the requested cuts (:meth:`take_cuts`) and gathers the hidden states of the kept
-tokens, which keep their true position ids (one-pass methods). Two-pass methods (``two_pass``)
+may request a cut with :meth:`PruneRun.request_cut` on the run's state, and may compress the layer's
+cache (``compress_cache``). After the layer's MLP the engine takes the requested cuts
+(:meth:`PruneRun.take_cuts`) and gathers the hidden states of the kept tokens, which keep their true
+position ids (one-pass methods). Two-pass methods (``two_pass``)
 only scout in the first pass; the engine then runs the whole model again on the selected tokens
 with re-indexed positions ``0..k−1`` (GemFilter's second pass).
 
@@ -19,17 +19,49 @@ layer's cache slots and the hidden-state columns coincide when the method is cal
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvbudget.errors import InputError, MethodOptionError
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
 
 
 @dataclass
+class PruneRun(RunState):
+    """A prune-stage run: per batch row the layer after which it was cut (``None``: not cut) and
+    the slots it kept, the cuts requested since the engine last took them, and whether a two-pass
+    method is still scouting. :meth:`PruneMethod.begin_prune` resets it before each prefill
+    (``selection_layers`` stays ``None`` until then)."""
+
+    num_layers: int = 0
+    selection_layers: list[int | None] | None = None
+    scouting: bool = False
+    cuts: dict[int, torch.Tensor] = field(default_factory=dict)
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def request_cut(self, row: int, layer_idx: int, slots: torch.Tensor) -> None:
+        """After layer ``layer_idx``, row ``row`` keeps only ``slots`` (sorted 1-D int64 slot indices)."""
+        assert self.selection_layers is not None
+        slots = slots.sort().values
+        self.cuts[row] = slots
+        self.selected[row] = slots
+        if self.selection_layers[row] is None:
+            self.selection_layers[row] = layer_idx
+
+    def take_cuts(self) -> dict[int, torch.Tensor]:
+        """The cuts requested since the last call (row → kept slots); one-pass methods only."""
+        cuts, self.cuts = self.cuts, {}
+        return cuts
+
+    def scouting_done(self, targets: list[int | None]) -> bool:
+        """Two-pass: every row that needs pruning has selected its tokens (pass 1 may stop)."""
+        return all(t is None or r in self.selected for r, t in enumerate(targets))
+
+
+@dataclass(frozen=True)
 class PruneMethod(Method):
     """Base class of prune-stage methods.
 
@@ -44,34 +76,16 @@ class PruneMethod(Method):
     compress_cache: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ per-run state
-    def begin_prune(self, batch_size: int, num_layers: int) -> None:
-        """Reset the run state before a prefill of ``batch_size`` rows (called by the engine)."""
-        self.num_layers = num_layers
-        self.selection_layers: list[int | None] = [None] * batch_size
-        self.scouting = self.two_pass
-        self._cuts: dict[int, torch.Tensor] = {}
-        self.selected: dict[int, torch.Tensor] = {}
+    def start(self, model: Any = None) -> PruneRun:
+        return PruneRun()
 
-    def begin_second_pass(self) -> None:
-        """Two-pass methods: the engine starts the second pass over the selected tokens."""
-        self.scouting = False
-
-    def request_cut(self, row: int, layer_idx: int, slots: torch.Tensor) -> None:
-        """After layer ``layer_idx``, row ``row`` keeps only ``slots`` (sorted 1-D int64 slot indices)."""
-        slots = slots.sort().values
-        self._cuts[row] = slots
-        self.selected[row] = slots
-        if self.selection_layers[row] is None:
-            self.selection_layers[row] = layer_idx
-
-    def take_cuts(self) -> dict[int, torch.Tensor]:
-        """The cuts requested since the last call (row → kept slots); one-pass methods only."""
-        cuts, self._cuts = self._cuts, {}
-        return cuts
-
-    def scouting_done(self, targets: list[int | None]) -> bool:
-        """Two-pass: every row that needs pruning has selected its tokens (pass 1 may stop)."""
-        return all(t is None or r in self.selected for r, t in enumerate(targets))
+    def begin_prune(self, run: PruneRun, batch_size: int, num_layers: int) -> None:
+        """Reset ``run`` before a prefill of ``batch_size`` rows (called by the engine)."""
+        run.num_layers = num_layers
+        run.selection_layers = [None] * batch_size
+        run.scouting = self.two_pass
+        run.cuts = {}
+        run.selected = {}
 
     # ------------------------------------------------------------------ the hook
     def observe_layer(self, obs: Observation, targets: list[int | None]) -> None:
@@ -85,13 +99,14 @@ class PruneMethod(Method):
         """
         if obs.keys.shape[2] != obs.query.shape[2]:
             raise InputError(f"{self.name} is a prune-stage method: it prefills from an empty cache only")
-        if not hasattr(self, "selection_layers"):
+        run = self.run_of(obs)
+        if not isinstance(run, PruneRun) or run.selection_layers is None:
             raise InputError(f"{self.name} changes the prefill forward: run it through kvbudget's engine")
-        if self.scouting or not self.two_pass:  # a second pass only runs the selected tokens
+        if run.scouting or not self.two_pass:  # a second pass only runs the selected tokens
             self.observe_layer(obs, targets)
         lengths = obs.lengths
         if (
-            self.scouting
+            run.scouting
             or not self.compress_cache
             or all(t is None or int(n) <= t for t, n in zip(targets, lengths.tolist(), strict=True))
         ):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvbudget.errors import MethodOptionError
-from kvbudget.methods.prune_base import PruneMethod, context_slots, top_slots, window_slots
+from kvbudget.methods.prune_base import PruneMethod, PruneRun, context_slots, top_slots, window_slots
 from kvbudget.observation import Observation
 
 
@@ -19,6 +19,13 @@ def decay_ratio(layer_idx: int, num_layers: int, decay: float) -> float:
 
 
 @dataclass
+class PyramidInferRun(PruneRun):
+    """A PyramidInfer run: per batch row its recent window (set from its prompt's length)."""
+
+    recent: list[int | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class PyramidInfer(PruneMethod):
     """PyramidInfer: keep each layer's pivotal context, fewer tokens in deeper layers.
 
@@ -46,6 +53,10 @@ class PyramidInfer(PruneMethod):
 
     name: ClassVar[str] = "pyramidinfer"
     paper: ClassVar[str] = "arXiv:2405.12532"
+    summary: ClassVar[str] = "every layer passes on a cosine-decaying share of its context"
+    code: ClassVar[str] = "mutonix/pyramidinfer"
+    small_options: ClassVar[dict[str, Any]] = {"min_context": 8, "decay": 0.5}
+    exceeds_budget: ClassVar[bool] = True
     compress_cache: ClassVar[bool] = False
     window: int = 0
     sinks: int = 4
@@ -65,23 +76,27 @@ class PyramidInfer(PruneMethod):
                 f"{self.name}: min_context must be an integer ≥ 0, got {self.min_context!r}"
             )
 
-    def begin_prune(self, batch_size: int, num_layers: int) -> None:
-        super().begin_prune(batch_size, num_layers)
-        self.recent: list[int | None] = [None] * batch_size
+    def start(self, model: object = None) -> PyramidInferRun:
+        return PyramidInferRun()
+
+    def begin_prune(self, run: PyramidInferRun, batch_size: int, num_layers: int) -> None:
+        super().begin_prune(run, batch_size, num_layers)
+        run.recent = [None] * batch_size
 
     def observe_layer(self, obs: Observation, targets: list[int | None]) -> None:
+        run = self.run_of(obs)
         lengths = obs.lengths.tolist()
         for r, target in enumerate(targets):
-            if target is not None and self.recent[r] is None:
-                self.recent[r] = 1 + int(self.recent_ratio * lengths[r])  # from the prompt's length
+            if target is not None and run.recent[r] is None:
+                run.recent[r] = 1 + int(self.recent_ratio * lengths[r])  # from the prompt's length
         rows = [r for r, t in enumerate(targets) if t is not None]
         if not rows:
             return
-        width = max(self.recent[r] for r in rows)
+        width = max(run.recent[r] for r in rows)
         probs = obs.window_probs(width).mean(1)  # [b, w, n], head-averaged
         ratio = decay_ratio(obs.layer_idx, obs.num_layers, self.decay)
         for r in rows:
-            recent = self.recent[r]
+            recent = run.recent[r]
             context = context_slots(obs, r, recent)
             floor = max(self.min_context, targets[r] - recent)
             keep_len = max(int(ratio * context.numel()), floor)
@@ -92,4 +107,4 @@ class PyramidInfer(PruneMethod):
             scores = (rows_r * weights[:, None]).mean(0)
             scores[: self.sinks] = float("inf")
             keep = top_slots(scores, context, keep_len)
-            self.request_cut(r, obs.layer_idx, torch.cat([keep, window_slots(obs, r, recent)]))
+            run.request_cut(r, obs.layer_idx, torch.cat([keep, window_slots(obs, r, recent)]))

@@ -8,12 +8,19 @@ from typing import Any, ClassVar
 import torch
 
 from kvbudget.errors import MethodOptionError, ProfileError
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
 from kvbudget.profiles import resolve_profile
 
 
 @dataclass
+class QFilterRun(RunState):
+    """A Q-Filters run: the model's filters ``[layers, kv_heads, head_dim]`` (``None``: no model)."""
+
+    filters: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class QFilter(Method):
     """Q-Filters: keep the keys with the largest projection on their head's query direction.
 
@@ -48,6 +55,12 @@ class QFilter(Method):
 
     name: ClassVar[str] = "qfilter"
     paper: ClassVar[str] = "arXiv:2503.02812"
+    summary: ClassVar[str] = (
+        "keys' projection on each head's principal query direction (offline profile), window 64"
+    )
+    code: ClassVar[str] = "NathanGodey/qfilters"
+    kvpress: ClassVar[str] = "QFilterPress"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4}
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     window: int = 64
     profile: str = ""
@@ -57,21 +70,23 @@ class QFilter(Method):
         if not isinstance(self.profile, str):
             raise MethodOptionError(f"qfilter: profile must be a path string, got {self.profile!r}")
 
-    def prepare(self, model: Any) -> None:
-        """Load the model's profile and its filters (``[layers, kv_heads, head_dim]``)."""
+    def start(self, model: Any = None) -> QFilterRun:
+        """A run with the model's profile filters loaded (``[layers, kv_heads, head_dim]``)."""
+        if model is None:
+            return QFilterRun()
         source = f"profile {self.profile}" if self.profile else "the model's profile"
         filters = resolve_profile(model, self.profile).filters(source)
         layers = model.config.num_hidden_layers
         if filters.shape[0] != layers:
             raise ProfileError(f"{source} has filters for {filters.shape[0]} layers, the model {layers}")
-        self.__dict__["_filters"] = filters
+        return QFilterRun(filters=filters)
 
     def filters(self, obs: Observation) -> torch.Tensor:
         """The layer's filters ``[kv_heads, d]`` on the keys' device, fp32."""
-        filters = self.__dict__.get("_filters")
+        filters = self.run_of(obs).filters
         if filters is None:
             raise ProfileError(
-                "qfilter has no filters bound: call method.prepare(model) first "
+                "qfilter has no filters bound: start the run with the model, method.start(model) "
                 "(kvbudget.generate, compress, the eval runner and the perplexity task do)"
             )
         layer = filters[obs.layer_idx]

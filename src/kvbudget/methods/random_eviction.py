@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -11,7 +11,7 @@ from kvbudget.methods.composable import Composable
 from kvbudget.observation import Observation
 
 
-@dataclass
+@dataclass(frozen=True)
 class RandomEviction(Composable):
     """Keeps a uniformly random subset of entries per head (plus the optional window and sinks).
 
@@ -27,6 +27,10 @@ class RandomEviction(Composable):
 
     name: ClassVar[str] = "random"
     paper: ClassVar[str] = "sanity baseline"
+    summary: ClassVar[str] = "random entries (sanity floor)"
+    kvpress: ClassVar[str] = "RandomPress"
+    #: a small window: the AdaKV grid of tests/test_composition.py has protected entries
+    small_options: ClassVar[dict[str, Any]] = {"window": 2}
     window: int = 0
     seed: int = 0
 

@@ -5,11 +5,21 @@ options set (``ada-pyramidkv`` = ``snapkv`` + ``layer_alloc=pyramid, head_alloc=
 reduce_rows=mean``; :mod:`kvbudget.methods.combinations`). ``name@preset`` applies a comparing
 paper's settings (:mod:`kvbudget.methods.presets`). Precedence, lowest first: the class's
 defaults, the combination's options, the preset's, the options given.
+
+A method's metadata (its one-line summary, paper, the authors' code, its kvpress counterpart, the
+options that fit the tiny tests, whether it exceeds its budget) sits on its class
+(:class:`~kvbudget.methods.base.Method`) or, where a combination differs from its base, on the
+combination; :func:`method_info` reads it for any registry name. The README's methods table, the
+index of docs/methods.md (``scripts/methods_tables.py``) and the generic tests enrol every
+registered name from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from kvbudget.errors import MethodOptionError, UnknownMethodError
@@ -120,6 +130,42 @@ def method_class(name: str) -> type[Method]:
         return REGISTRY[split_preset(name)[0]]
     except KeyError:
         raise UnknownMethodError(f"unknown method '{name}': expected one of {', '.join(REGISTRY)}") from None
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What a registry name is, for the docs and the tests: its class's metadata, with a named
+    combination's own where it sets them (:mod:`kvbudget.methods.combinations`)."""
+
+    name: str
+    cls: type[Method]
+    combination: Combination | None
+    summary: str
+    paper: str
+    code: str
+    kvpress: str
+    small_options: Mapping[str, Any]
+    exceeds_budget: bool
+
+
+def method_info(name: str) -> MethodInfo:
+    """The metadata of the registry name ``name`` (a ``@preset`` suffix is ignored)."""
+    base = split_preset(name)[0]
+    cls = method_class(base)
+    combined = combination(base)
+
+    def pick(field: str) -> Any:
+        own = getattr(combined, field, None) if combined else None
+        return getattr(cls, field) if own is None else own
+
+    return MethodInfo(
+        name=base, cls=cls, combination=combined,
+        summary=combined.summary if combined else cls.summary,
+        paper=combined.paper if combined else cls.paper,
+        code=pick("code"), kvpress=pick("kvpress"),
+        small_options=MappingProxyType(dict(pick("small_options"))),
+        exceeds_budget=pick("exceeds_budget"),
+    )  # fmt: skip
 
 
 def _coerce(value: Any, default: Any, name: str, method: str) -> Any:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvbudget.errors import MethodOptionError
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import keep_within_limits, protected_mask
@@ -18,6 +18,13 @@ SIMILARITY_BLOCK = 256
 
 
 @dataclass
+class RKVRun(RunState):
+    """An R-KV run: each layer's last ``window`` post-RoPE queries ``[b, q_heads, w, d]``."""
+
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RKV(Method):
     """R-KV: keep the entries that are attended to and not redundant, while the answer is generated.
 
@@ -65,6 +72,13 @@ class RKV(Method):
 
     name: ClassVar[str] = "r-kv"
     paper: ClassVar[str] = "arXiv:2505.24133"
+    summary: ClassVar[str] = (
+        "attention of the last 8 queries minus key-similarity redundancy (latest copy spared); the "
+        "cache grows by a 128-token buffer, then is cut back to the budget"
+    )
+    code: ClassVar[str] = "Zefan-Cai/R-KV"
+    #: re-selects after every decoded token: the cache stays at the budget
+    small_options: ClassVar[dict[str, Any]] = {"buffer": 1}
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     window: int = 8
     kernel: int = 7
@@ -86,15 +100,15 @@ class RKV(Method):
             raise MethodOptionError(f"{self.name}: threshold must be in [-1, 1], got {self.threshold}")
 
     # ------------------------------------------------------------------ observation queries
-    @property
-    def _queries(self) -> dict[int, torch.Tensor]:
-        return self.__dict__.setdefault("_rkv_queries", {})
+    def start(self, model: object = None) -> RKVRun:
+        return RKVRun()
 
     def _remember(self, obs: Observation) -> None:
         """Keep the layer's last ``window`` queries (a prefill's last ones, then each decoded one)."""
-        previous = self._queries.get(obs.layer_idx) if obs.query.shape[2] < obs.keys.shape[2] else None
+        queries = self.run_of(obs).queries
+        previous = queries.get(obs.layer_idx) if obs.query.shape[2] < obs.keys.shape[2] else None
         recent = obs.query if previous is None else torch.cat([previous, obs.query], dim=2)
-        self._queries[obs.layer_idx] = recent[:, :, -self.window :]
+        queries[obs.layer_idx] = recent[:, :, -self.window :]
 
     def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self._remember(obs)
@@ -119,7 +133,7 @@ class RKV(Method):
 
     def importance(self, obs: Observation) -> torch.Tensor:
         """``I: [b, kv_heads, n]``, 0 on the window and invalid entries."""
-        query = self._queries[obs.layer_idx].float()  # [b, hq, w, d]
+        query = self.run_of(obs).queries[obs.layer_idx].float()  # [b, hq, w, d]
         keys, valid = obs.keys.float(), obs.valid
         b, heads, n, d = keys.shape
         w = query.shape[2]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -12,7 +12,7 @@ from kvbudget.observation import Observation
 from kvbudget.scoring import window_scores
 
 
-@dataclass
+@dataclass(frozen=True)
 class SnapKV(Composable):
     """SnapKV: keep the entries the observation window attends to most.
 
@@ -35,6 +35,10 @@ class SnapKV(Composable):
 
     name: ClassVar[str] = "snapkv"
     paper: ClassVar[str] = "arXiv:2404.14469"
+    summary: ClassVar[str] = "pooled attention of the last 32 prompt queries"
+    code: ClassVar[str] = "FasterDecoding/SnapKV"
+    kvpress: ClassVar[str] = "SnapKVPress"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3}
     window: int = 32
     kernel: int = 7
     pooling: str = "max"

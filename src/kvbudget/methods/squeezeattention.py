@@ -8,7 +8,7 @@ from typing import ClassVar
 from kvbudget.methods.profiled import ProfiledMethod
 
 
-@dataclass
+@dataclass(frozen=True)
 class SqueezeAttention(ProfiledMethod):
     """SqueezeAttention: layers whose attention changes the residual stream least keep less.
 
@@ -37,4 +37,8 @@ class SqueezeAttention(ProfiledMethod):
 
     name: ClassVar[str] = "squeezeattention"
     paper: ClassVar[str] = "arXiv:2404.04793"
+    summary: ClassVar[str] = (
+        "layer budgets from 3 clusters of layer similarity (offline profile); StreamingLLM inside each layer"
+    )
+    code: ClassVar[str] = "hetailang/SqueezeAttention"
     granularity: ClassVar[str] = "layer"

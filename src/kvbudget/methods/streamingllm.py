@@ -12,7 +12,7 @@ from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingLLM(Method):
     """Keeps the first ``sinks`` tokens and the most recent ``budget − sinks``, at every step.
 
@@ -29,6 +29,8 @@ class StreamingLLM(Method):
 
     name: ClassVar[str] = "streamingllm"
     paper: ClassVar[str] = "arXiv:2309.17453"
+    summary: ClassVar[str] = "4 sinks + recent window, at every step"
+    kvpress: ClassVar[str] = "StreamingLLMPress"
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     window: int = 0
     sinks: int = 4

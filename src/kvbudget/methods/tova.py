@@ -11,7 +11,7 @@ from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
 
 
-@dataclass
+@dataclass(frozen=True)
 class TOVA(Method):
     """TOVA: Token Omission Via Attention.
 
@@ -24,6 +24,9 @@ class TOVA(Method):
 
     name: ClassVar[str] = "tova"
     paper: ClassVar[str] = "arXiv:2401.06104"
+    summary: ClassVar[str] = "last query's head-averaged attention, one set per layer"
+    code: ClassVar[str] = "schwartz-lab-NLP/TOVA"
+    kvpress: ClassVar[str] = "TOVAPress"
     stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     window: int = 0
 

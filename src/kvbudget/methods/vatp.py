@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -12,7 +12,7 @@ from kvbudget.observation import Observation, reduce_group
 from kvbudget.scoring import value_norms
 
 
-@dataclass
+@dataclass(frozen=True)
 class VATP(Composable):
     """VATP: score = accumulated attention × ``‖v_j‖₁``.
 
@@ -32,6 +32,8 @@ class VATP(Composable):
 
     name: ClassVar[str] = "vatp"
     paper: ClassVar[str] = "arXiv:2406.12335"
+    summary: ClassVar[str] = "window attention × value L1 norm, sinks kept"
+    small_options: ClassVar[dict[str, Any]] = {"window": 4, "sinks": 2}
     window: int = 32
     sinks: int = 4
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,10 +33,10 @@ from kvbudget.engine import prefill_batch
 from kvbudget.errors import BudgetError, InputError
 from kvbudget.eval.sample import Sample
 from kvbudget.eval.tasks.base import TaskSpec
-from kvbudget.methods.base import Method
+from kvbudget.methods.base import Method, RunState
 from kvbudget.methods.profiled import ProfiledMethod
 from kvbudget.prefill import PrefillInputs
-from kvbudget.session import CompressionSession
+from kvbudget.session import CompressionSession, Phase
 
 
 @lru_cache(maxsize=2)
@@ -95,33 +96,31 @@ def chunked_perplexity(
     chunk: int = 32,
     first_chunk: int | None = None,
     ratio: float | None = None,
+    on_start: Callable[[RunState], None] | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``ids: [1, T]`` with ``method`` holding the cache at ``budget`` entries per head.
+
+    ``on_start`` is called with the run state of every run the call starts (diagnostics: D2O's
+    merge watcher, the layer budgets a run chose).
 
     The first ``first_chunk`` tokens (default ``budget``, at least one chunk) form the initial
     context and are not scored; every later token is predicted from the compressed cache.
 
     ``ratio`` is the compression ratio at which a profiled method (SqueezeAttention, BaKlaVa)
-    looks up its tuned parameters, pinned on the method for this call
-    (:meth:`~kvbudget.methods.profiled.ProfiledMethod.pin_ratio`, the previous pin restored on
-    return); default ``budget / T``, the ratio an evaluation of the whole passage at ``budget``
-    uses. Without the pin each prefill would use its own ``budget / prefix``, ``≈ budget / (budget
-    + chunk)``.
+    looks up its tuned parameters, pinned in each of the call's runs
+    (:meth:`~kvbudget.methods.profiled.ProfiledRun.pin`); default ``budget / T``, the ratio an
+    evaluation of the whole passage at ``budget`` uses. Without the pin each prefill would use its
+    own ``budget / prefix``, ``≈ budget / (budget + chunk)``.
     """
     if ratio is not None and (
         isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
     ):
         raise BudgetError(f"the perplexity's compression ratio must be in (0, 1], got {ratio!r}")
     attach(model)
-    method.prepare(model)
+    pinned = None
     if isinstance(method, ProfiledMethod) and budget is not None:
         pinned = ratio if ratio is not None else min(budget / ids.shape[1], 1.0)
-        previous = method.pin_ratio(pinned)
-        try:
-            return _chunked_perplexity(model, ids, method, budget, chunk, first_chunk)
-        finally:
-            method.pin_ratio(previous)
-    return _chunked_perplexity(model, ids, method, budget, chunk, first_chunk)
+    return _chunked_perplexity(model, ids, method, budget, chunk, first_chunk, pinned, on_start)
 
 
 def _chunked_perplexity(
@@ -131,8 +130,20 @@ def _chunked_perplexity(
     budget: int | None,
     chunk: int,
     first_chunk: int | None,
+    pinned: float | None = None,
+    on_start: Callable[[RunState], None] | None = None,
 ) -> PerplexityResult:
-    """:func:`chunked_perplexity` on an attached model and a prepared method."""
+    """:func:`chunked_perplexity` on an attached model; ``pinned``: the ratio a profiled method's
+    runs pick tuned parameters at."""
+
+    def session_for() -> CompressionSession:
+        session = CompressionSession(method, layers, budget=budget, model=model)
+        if pinned is not None:
+            session.run.pin(pinned)
+        if on_start is not None:
+            on_start(session.run)
+        return session
+
     ids = ids.to(model.device)
     total = ids.shape[1]
     start = max(chunk, min(first_chunk or budget or chunk, total - 1))
@@ -142,11 +153,11 @@ def _chunked_perplexity(
         return PerplexityResult(float(_nll(logits, ids[0, start:])) / (total - start), total - start, total)
     nll, scored, peak = 0.0, 0, 0
     if "decode" in method.stages:
-        session = CompressionSession(method, layers, budget=budget)
+        session = session_for()
         cache = BudgetCache(layers, session)
-        session.phase = "prefill"
+        session.phase = Phase.PREFILL
         logits = model(ids[:, :start], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1:]
-        session.phase = "decode"
+        session.phase = Phase.DECODE
         for pos in range(start, total, chunk):
             stop = min(pos + chunk, total)
             nll += float(_nll(logits, ids[0, pos : pos + 1]))
@@ -158,14 +169,14 @@ def _chunked_perplexity(
     else:
         for pos in range(start, total, chunk):
             stop = min(pos + chunk, total)
-            session = CompressionSession(method, layers, budget=budget)
+            session = session_for()
             head = ids[:, :pos]
             prefix = PrefillInputs(
                 head, torch.ones_like(head), torch.arange(pos, device=ids.device)[None], pos
             )
             cache, prefix_logits, prefix = prefill_batch(model, prefix, session)
             next_pos = int(prefix.positions[0, -1]) + 1  # a two-pass method's positions are re-indexed
-            session.phase = "off"
+            session.phase = Phase.OFF
             positions = torch.arange(next_pos, next_pos + stop - pos, device=ids.device)[None]
             out = model(ids[:, pos:stop], position_ids=positions, past_key_values=cache, use_cache=True)
             out = out.logits[0]

@@ -421,7 +421,8 @@ def test_rkv_prefill_and_decode_keep_importance_minus_redundancy(budget: int, bu
             [p for p, _ in held[h]] for h in range(RH)
         ]
         layer.update(keys[None, :, t : t + 1].clone(), values[None, :, t : t + 1].clone())
-        method.decode_step(Observation(0, 1, queries[None, :, t : t + 1], layer, 1 / math.sqrt(RD)), [budget])
+        step = Observation(0, 1, queries[None, :, t : t + 1], layer, 1 / math.sqrt(RD), run=observation.run)
+        method.decode_step(step, [budget])  # the same run: its remembered queries
         held = [held[h] + [(t, keys[h, t])] for h in range(RH)]
         recent = (recent + [queries[:, t]])[-w:]
         if len(held[0]) >= budget + buffer:

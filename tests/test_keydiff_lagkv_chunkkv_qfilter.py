@@ -45,12 +45,13 @@ class Fixture:
         layer.update(self.k.clone(), self.v.clone())
         return layer
 
-    def observation(self, layer: BudgetLayer, layer_idx: int = 0) -> Observation:
-        return Observation(layer_idx, LAYERS, query=self.q, layer=layer, scaling=SCALE)
+    def observation(self, layer: BudgetLayer, layer_idx: int = 0, run=None) -> Observation:
+        return Observation(layer_idx, LAYERS, query=self.q, layer=layer, scaling=SCALE, run=run)
 
-    def compress(self, method, budget: int, layer_idx: int = 0) -> BudgetLayer:
+    def compress(self, method, budget: int, layer_idx: int = 0, run=None) -> BudgetLayer:
+        """Compress a fresh copy of the layer; ``run``: a run state shared with other layers."""
         layer = self.layer()
-        method.compress_layer(self.observation(layer, layer_idx), targets=[budget])
+        method.compress_layer(self.observation(layer, layer_idx, run), targets=[budget])
         return layer
 
 
@@ -268,7 +269,8 @@ def test_chunkkv_over_keydiff_scores() -> None:
 def test_chunkkv_reuse_shares_the_first_layer_of_each_group() -> None:
     method = make_method("chunkkv", window=4, kernel=3, chunk_size=5, reuse=2)
     fixtures = [Fixture(10 + layer_idx) for layer_idx in range(LAYERS)]
-    layers = [fx.compress(method, 19, layer_idx) for layer_idx, fx in enumerate(fixtures)]
+    run = method.start()  # one run over the layers: the reusing layers read what layer 0 / 2 kept
+    layers = [fx.compress(method, 19, layer_idx, run) for layer_idx, fx in enumerate(fixtures)]
     own = []
     for fx in fixtures:
         per_head = snapkv_token_scores(fx, 4, 3)
@@ -463,5 +465,5 @@ def test_qfilter_without_a_profile_file_measures_the_bundled_prompts(qfilter_pro
     model, _, _ = qfilter_profile
     ids = torch.randint(3, 90, (1, 40), generator=seeded(6))
     method = make_method("qfilter", window=4)
-    kvbudget.compress(model, ids, method=method, budget=20)
-    assert torch.equal(method.__dict__["_filters"], builtin_profile(model).filters())
+    cache = kvbudget.compress(model, ids, method=method, budget=20)
+    assert torch.equal(cache.session.run.filters, builtin_profile(model).filters())

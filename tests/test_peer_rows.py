@@ -164,19 +164,31 @@ def test_press_names_accept_aliases_and_all_and_refuse_unknown_ones():
         press_names(["snapkv@lava"])
 
 
-def test_finch_runs_question_aware_only():
-    """FINCH's window is the question: a question-agnostic ``all`` leaves it out (and only it), and
-    naming it there is a one-line error."""
-    from kvbudget.eval.peer_rows import make_jobs, press_names
+def test_some_presses_run_question_aware_only():
+    """FINCH's window is the question; PyramidKV and KVCompose leave the layers different lengths, on
+    which the question's forward fails after a question-agnostic prefill. A question-agnostic ``all``
+    leaves them out (and only them), and naming one there is a one-line error with the reason."""
+    from kvbudget.eval.peer_rows import QUESTION_AWARE_ONLY, make_jobs, press_names
 
     aware, agnostic = press_names(["all"]), press_names(["all"], question_aware=False)
-    assert [name for name in aware if name not in agnostic] == ["finch"]
+    assert [name for name in aware if name not in agnostic] == [
+        "pyramidkv",
+        "finch",
+        "kvcompose",
+        "pyramidkv@paper",
+    ]
+    assert set(QUESTION_AWARE_ONLY) == {"pyramidkv", "finch", "kvcompose", "pyramidkv@paper"}
     with pytest.raises(KVBudgetError) as err:
         press_names(["snapkv", "finch"], question_aware=False)
     assert str(err.value) == (
-        "kvpress press 'finch' runs question-aware only (its window is the question, which a "
-        "question-agnostic run leaves out of the compressed prefill)"
+        "kvpress press 'finch' runs question-aware only: its window is the question, which a "
+        "question-agnostic run leaves out of the compressed prefill"
     )
+    with pytest.raises(
+        KVBudgetError, match="'PyramidKV' runs question-aware only: its layers keep different"
+    ):
+        press_names(["PyramidKV"], question_aware=False)
+    assert press_names(["finch", "pyramidkv@paper"]) == ["finch", "pyramidkv@paper"]  # question-aware
     (job,) = make_jobs(["finch"], [0.5], question_aware=True)
     assert job["press"] == "FinchPress" and job["question_delimiter"] is True and job["question_aware"]
 

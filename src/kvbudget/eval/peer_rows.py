@@ -56,8 +56,8 @@ DEFAULT_PEER_PYTHON = Path(".venv-peer/bin/python")
 #: with the settings it runs them at — class defaults unless given. ``kwargs`` go to the press,
 #: ``inner`` is the scorer press a wrapper takes as ``press`` (the ratio goes to the scorer);
 #: ``attn`` the attention the model runs with (ObservedAttention needs eager attention);
-#: ``question_delimiter``: FINCH's prompt, context + a delimiter id + question — its window is the
-#: question, so it runs question-aware only (``all`` leaves it out of question-agnostic runs).
+#: ``question_delimiter``: FINCH's prompt, context + a delimiter id + question (its window is the
+#: question). Some run question-aware only (:data:`QUESTION_AWARE_ONLY`).
 #: Not in that registry, at their class defaults: ``leverage`` and ``non_causal_attn`` (Compactor's
 #: two scorers alone) and ``cap`` (CapPress, added after the registry). ``NAME@paper``: the SnapKV
 #: paper's window 32 and pooling kernel 7 (arXiv:2404.14469; PyramidKV and AdaKV compare at those,
@@ -91,6 +91,7 @@ PRESSES: dict[str, dict[str, Any]] = {
     "cur": {"press": "CURPress"},
     "cap": {"press": "CapPress"},
     "finch": {"press": "FinchPress", "question_delimiter": True},
+    "kvcompose": {"press": "KVComposePress"},  # a second, eager prefill scores the context
     "block_keydiff": {
         "press": "BlockPress", "inner": {"press": "KeyDiffPress"}, "kwargs": {"block_size": 128}
     },
@@ -121,6 +122,19 @@ PRESSES: dict[str, dict[str, Any]] = {
     },
     "no_press": {"press": None},
 }  # fmt: skip
+_LAYER_LENGTHS = (
+    "its layers keep different numbers of entries, and the question's forward after a question-agnostic "
+    "prefill then fails on the one attention mask built for all layers (sdpa, eager; kvpress's own "
+    "evaluation uses flash attention where installed, CUDA only); one-token decode steps need no mask"
+)
+#: presses that run question-aware only, with the reason: ``all`` leaves them out of a
+#: question-agnostic run, and naming one there is a one-line error
+QUESTION_AWARE_ONLY: dict[str, str] = {
+    "finch": "its window is the question, which a question-agnostic run leaves out of the compressed prefill",
+    "pyramidkv": _LAYER_LENGTHS,
+    "pyramidkv@paper": _LAYER_LENGTHS,
+    "kvcompose": _LAYER_LENGTHS,
+}
 #: kvpress 0.5.5's presses that cannot run here, each with the reason (``press_names`` refuses them
 #: with it): those that load trained weights, head patterns or statistics from the Hugging Face hub or
 #: GitHub (the leaderboard runs offline, and most are published for a few large models only), those
@@ -149,9 +163,6 @@ UNAVAILABLE_PRESSES: dict[str, str] = {
     "computes them on the BookSum data set from the hub)",
     "lukv": "LUKVPress downloads budget curves from GitHub (baidu-baige/LU-KV), published for "
     "Llama-3.1-8B only",
-    "kvcompose": "KVComposePress leaves each layer its own number of entries, which the one attention "
-    "mask of sdpa or eager attention cannot serve (the question's forward fails): it needs flash "
-    "attention (CUDA)",
     "kvcompose_unstructured": "KVComposePress(structured=False) leaves its replay pass's copy of the "
     "context in the cache (kvpress 0.5.5): the question attends to a second, uncompressed copy",
     "dms": "DMSPress evicts below a score threshold: no compression ratio to match (the registry runs "
@@ -202,23 +213,21 @@ def canonical_name(raw: str) -> str:
 
 def press_names(names: list[str], question_aware: bool = True) -> list[str]:
     """Canonical press names for ``names`` (``all`` = every press but ``no_press``, and for a
-    question-agnostic run, ``question_aware`` false, but the question-aware-only ``finch`` too;
-    aliases and ``-`` for ``_`` accepted; duplicates dropped); a one-line error for an unknown name,
-    for a press that cannot run here (naming why, :data:`UNAVAILABLE_PRESSES`) and for ``finch``
-    named in a question-agnostic run."""
+    question-agnostic run, ``question_aware`` false, but those of :data:`QUESTION_AWARE_ONLY` too;
+    aliases and ``-`` for ``_`` accepted; duplicates dropped); a one-line error naming why for an
+    unknown name, a press that cannot run here (:data:`UNAVAILABLE_PRESSES`) and a question-aware-only
+    press named for a question-agnostic run."""
     chosen: list[str] = []
     for raw in names:
         name = canonical_name(raw)
         if name == "all":
             chosen += [
-                n for n in PRESSES
-                if n != "no_press" and (question_aware or not PRESSES[n].get("question_delimiter"))
-            ]  # fmt: skip
+                n for n in PRESSES if n != "no_press" and (question_aware or n not in QUESTION_AWARE_ONLY)
+            ]
         elif name in PRESSES:
-            if not question_aware and PRESSES[name].get("question_delimiter"):
+            if not question_aware and name in QUESTION_AWARE_ONLY:
                 raise KVBudgetError(
-                    f"kvpress press '{raw}' runs question-aware only (its window is the question, which a "
-                    "question-agnostic run leaves out of the compressed prefill)"
+                    f"kvpress press '{raw}' runs question-aware only: {QUESTION_AWARE_ONLY[name]}"
                 )
             chosen.append(name)
         elif name in UNAVAILABLE_PRESSES:

@@ -135,14 +135,16 @@ class StaticBudgetCache:
             value_dim=v0.shape[-1], rope=rope,
         )  # fmt: skip
         for index, layer in enumerate(cache.layers):
+            capacity = static.capacity(index)
             for h in range(layer.num_heads):
-                k, v, pos = layer.head(h)
-                for row in range(layer.batch_size):
-                    valid = (pos[row] >= 0).nonzero().squeeze(-1)
-                    n = valid.numel()
-                    static.keys[index][row, h, :n] = k[row, valid]
-                    static.values[index][row, h, :n] = v[row, valid]
-                    static.positions[index][row, h, :n] = pos[row, valid].to(torch.int32)
+                k, v, pos = layer.head(h)  # [b, n_h, d], [b, n_h, d], [b, n_h]
+                # every row's valid entries first, in stored order (a stable sort of the invalid flag);
+                # the valid ones never exceed the capacity, so what is cut off is padding
+                order = torch.argsort((pos < 0).to(torch.int8), dim=-1, stable=True)[:, :capacity]
+                m = order.shape[1]
+                static.keys[index][:, h, :m] = k.gather(1, order[..., None].expand(-1, -1, k.shape[-1]))
+                static.values[index][:, h, :m] = v.gather(1, order[..., None].expand(-1, -1, v.shape[-1]))
+                static.positions[index][:, h, :m] = pos.gather(1, order).to(torch.int32)
         return static
 
     # ------------------------------------------------------------------ decoding

@@ -2,11 +2,14 @@
 
     .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
         [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32] [--peer-presses all]
+        [--limit 3]
 
 The model loads once for every task. Without budget options it runs the committed plan,
 ``LEADERBOARD_PLAN``: ratio 0.875 on every task, then 0.5 on ``LEADERBOARD_CORE_TASKS``, then 0.75
 and 0.25 on those but lcc (docs/leaderboard.md says why); ``--tasks`` narrows each part to the tasks
 it names. With budget options (and ``--tasks``), only what they name.
+``--limit N`` runs each task's first N samples only (the same samples the full grid starts with, so a
+later run without it adds the rest; not for needle, whose depths spread over the limit).
 ``--agnostic`` runs the question-agnostic track (the context is compressed before the question).
 ``KVBUDGET_LOCK``, if set, names a file locked (flock) around each sample, so that other torch work
 on the machine (a test run) waits at most one sample instead of a whole task. The runner skips
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--methods", default=None)
     parser.add_argument("--agnostic", action="store_true")
     parser.add_argument("--dtype", default=None, help="override the suite's dtype (e.g. float32)")
+    parser.add_argument("--limit", type=int, default=None, help="each task's first N samples only")
     parser.add_argument(
         "--peer-presses",
         default=None,
@@ -79,6 +83,10 @@ def main() -> None:
     config = dataclasses.replace(config, compress_context_only=args.agnostic)
     if args.dtype:
         config = dataclasses.replace(config, dtype=args.dtype)
+    if args.limit is not None:
+        if any("needle" in tasks for _, tasks in parts):
+            parser.error("--limit: needle's depths spread over the limit, so its first N samples differ")
+        config = dataclasses.replace(config, limit=args.limit)
 
     lock = os.environ.get("KVBUDGET_LOCK")
     with machine_lock(lock):

@@ -11,7 +11,7 @@
 #
 # On a machine without network, put the wheels the GPU's Python lacks in .gpu/whl, a KVBUDGET_HOME
 # with the needle data in .gpu/home, and the model folder of scripts/random_model_dir.py in
-# .gpu/qwen7b (docs/gpu.md, "Reproducing on a lent machine").
+# .gpu/qwen7b (docs/gpu.md, "Running the checks on a machine without network").
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"

@@ -39,7 +39,7 @@ from kvbudget.cache import WINDOW_SLACK, BudgetCache
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.registry import make_method
 from kvbudget.observation import Observation
-from kvbudget.prune import run_layers
+from kvbudget.prefill.pruned import run_layers
 from kvbudget.session import CompressionSession
 from method_matrix import ALL_METHODS, MERGING_METHODS, PRUNE_METHODS, small
 

@@ -1,4 +1,4 @@
-"""scripts/claims_tables.py renders the same kvbudget-vs-kvpress row whatever order the rows come in:
+"""lab/scripts/claims_tables.py renders the same kvbudget-vs-kvpress row whatever order the rows come in:
 tied methods are broken by name, not by the order a set of labels happens to iterate in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 import random
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "claims_tables.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "lab" / "scripts" / "claims_tables.py"
 
 
 def _load():

@@ -1,7 +1,8 @@
 """``pip install kvbudget`` installs what compressing a cache needs and no more.
 
 The **core** is every module of ``src/kvbudget`` but the harness: the extras' subpackages
-(``kvbudget.eval``, ``kvbudget.bench``) and :data:`HARNESS_MODULES`. The core's third-party imports,
+(``kvbudget.eval``, ``kvbudget.bench``, ``kvbudget.peer``: kvpress beside them) and
+:data:`HARNESS_MODULES`. The core's third-party imports,
 read with ``ast``, must be exactly ``pyproject.toml``'s ``dependencies`` (less :data:`USED_BY_TRANSFORMERS`,
 declared for transformers' sake). A core module reaches the harness and the extras' packages only
 inside :func:`kvbudget.extras.needs_extra` — a function it decorates or a ``with`` block — so that
@@ -45,7 +46,7 @@ HARNESS_MODULES = {
 
 #: Harness imports no extra declares, each with why.
 UNDECLARED_HARNESS_IMPORTS = {
-    "kvpress": "imported only by bench/kvpress_runner.py, which runs inside .venv-peer (make peer)",
+    "kvpress": "imported only by peer/kvpress_runner.py, which runs inside .venv-peer (make peer)",
     "datasets": "eval/longbench.py reads a Hugging Face dataset directory with it, for users who give one",
 }
 
@@ -77,7 +78,11 @@ def _module_name(path: Path) -> str:
 
 
 def is_harness(module: str) -> bool:
-    return module in HARNESS_MODULES or module.split(".")[:2] in (["kvbudget", "eval"], ["kvbudget", "bench"])
+    return module in HARNESS_MODULES or module.split(".")[:2] in (
+        ["kvbudget", "eval"],
+        ["kvbudget", "bench"],
+        ["kvbudget", "peer"],
+    )
 
 
 def _needs_extra_call(node: ast.AST) -> str | None:

@@ -9,7 +9,7 @@ from kvbudget.engine import build_prompt, decode_loop, prefill_inputs
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.draft import decode_with_draft
 from kvbudget.eval.fidelity import teacher_forced_logprobs
-from kvbudget.snapshot import derive, take_snapshot
+from kvbudget.prefill.derived import derive, take_snapshot
 from method_matrix import small
 
 CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3

@@ -7,8 +7,9 @@ import of the module ``kvbudget.data``; ``import kvbudget`` and ``from kvbudget 
 import the package's public façade (``kvbudget/__init__.py``), which sits in the top layer.
 Modules reached only through ``importlib`` (the task registry's task modules) are not seen.
 
-A new module fails :func:`test_every_module_is_placed_in_a_layer` until it is added to ``LAYERS``;
-a new module of ``kvbudget/methods`` is placed in the "methods" layer by itself (``METHOD_MODULES``).
+Layers name folders (``kvbudget.methods.*``: the methods, ``kvbudget.prefill.*``, ``kvbudget.eval.*``,
+``kvbudget.bench.*``, ...), so a new file in a folder is placed by where it lives; a new top-level
+module fails :func:`test_every_module_is_placed_in_a_layer` until it is added to ``LAYERS``.
 """
 
 from __future__ import annotations
@@ -20,20 +21,10 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-#: the method interface: the modules of ``kvbudget/methods`` that every method builds on
-METHOD_INTERFACE = ["kvbudget.methods", "kvbudget.methods.base", "kvbudget.methods.prune_base"]
-#: every other module of ``kvbudget/methods`` (each method's file, its shared bases, the registry) is
-#: in the "methods" layer, found here, so a new method file needs no entry
-METHOD_MODULES = sorted(
-    {
-        ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
-        for path in (SRC / "kvbudget" / "methods").rglob("*.py")
-    }
-    - set(METHOD_INTERFACE)
-)
-
 #: (layer, its modules), lowest first. A module may import from its own layer and every layer above
-#: it in this list, never from one below it.
+#: it in this list, never from one below it. An entry ``kvbudget.pkg.*`` is a folder: the package and
+#: every module under it, so a new file there needs no entry; a module named explicitly (or under a
+#: longer folder entry) belongs to that entry's layer instead.
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "foundations",
@@ -47,67 +38,32 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
     ("models and data", ["kvbudget.models", "kvbudget.data"]),
-    ("cache", ["kvbudget.cache", "kvbudget.static_cache"]),
+    ("cache", ["kvbudget.cache", "kvbudget.static_cache", "kvbudget.joined_cache"]),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),
     ("observation", ["kvbudget.observation"]),
     ("session", ["kvbudget.session"]),
     ("method parts", ["kvbudget.scoring", "kvbudget.selection", "kvbudget.allocation", "kvbudget.merging"]),
     ("profiles", ["kvbudget.profiles"]),
-    ("method interface", METHOD_INTERFACE),
-    ("methods", METHOD_MODULES),
-    ("prefill", ["kvbudget.prefill"]),
-    ("prune stage", ["kvbudget.prune"]),
+    ("method interface", ["kvbudget.methods", "kvbudget.methods.base", "kvbudget.methods.prune_base"]),
+    ("methods", ["kvbudget.methods.*"]),
+    ("prefill", ["kvbudget.prefill.*"]),
     ("static decode", ["kvbudget.static_decode"]),
-    ("engine and shared prefill", ["kvbudget.engine", "kvbudget.snapshot"]),
+    ("engine", ["kvbudget.engine"]),
     ("transformers-native use", ["kvbudget.native"]),
+    ("serving", ["kvbudget.serve.*"]),
+    ("kvpress environment", ["kvbudget.peer.*"]),
+    ("evaluation parts", ["kvbudget.eval.*"]),
     (
-        "evaluation parts",
+        "evaluation runner and peer rows",
         [
-            "kvbudget.eval",
-            "kvbudget.eval.sample",
-            "kvbudget.eval.metrics",
-            "kvbudget.eval.intervals",
-            "kvbudget.eval.paired",
-            "kvbudget.eval.store",
-            "kvbudget.eval.fidelity",
-            "kvbudget.eval.draft",
-            "kvbudget.eval.longbench",
-            "kvbudget.eval.report",
-            "kvbudget.eval.tasks",
-            "kvbudget.eval.tasks.base",
-            "kvbudget.eval.tasks.code",
-            "kvbudget.eval.tasks.gsm8k",
-            "kvbudget.eval.tasks.infinitebench",
-            "kvbudget.eval.tasks.needle",
-            "kvbudget.eval.tasks.perplexity",
-            "kvbudget.eval.tasks.ruler",
-            "kvbudget.eval.tasks.ruler_common",
-            "kvbudget.eval.tasks.ruler_niah",
-            "kvbudget.eval.tasks.ruler_qa",
-            "kvbudget.eval.tasks.ruler_vt",
-            "kvbudget.eval.tasks.ruler_words",
-        ],
-    ),
-    ("evaluation runner", ["kvbudget.eval.runner", "kvbudget.eval.suites", "kvbudget.eval.distributed"]),
-    (
-        "benchmarks, peer rows and tuning",
-        [
-            "kvbudget.bench",
-            "kvbudget.bench.bandwidth",
-            "kvbudget.bench.memory",
-            "kvbudget.bench.measure",
-            "kvbudget.bench.report",
-            "kvbudget.bench.grid",
-            "kvbudget.bench.peer",
-            "kvbudget.bench.kvpress_runner",
-            "kvbudget.bench.ours_runner",
-            "kvbudget.bench.throughput",
-            "kvbudget.bench.throughput_report",
+            "kvbudget.eval.runner",
+            "kvbudget.eval.suites",
+            "kvbudget.eval.distributed",
             "kvbudget.eval.peer_rows",
-            "kvbudget.tuning",
         ],
     ),
+    ("benchmarks and tuning", ["kvbudget.bench.*", "kvbudget.tuning"]),
     ("demo and CLI checks", ["kvbudget.demo", "kvbudget.cli_checks"]),
     ("entry points", ["kvbudget.cli", "kvbudget"]),
 ]
@@ -153,24 +109,35 @@ def _imports(module: str, path: Path, known: set[str]) -> list[tuple[str, str, i
     return found
 
 
-def _layer_of() -> dict[str, int]:
-    return {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
+def _layer_of(modules: list[str] | None = None) -> dict[str, int]:
+    """Each module's layer index: its explicit entry, else its longest folder entry (``pkg.*``)."""
+    modules = list(source_modules()) if modules is None else modules
+    explicit = {m: index for index, (_, names) in enumerate(LAYERS) for m in names if not m.endswith(".*")}
+    folders = [(m[:-2], index) for index, (_, names) in enumerate(LAYERS) for m in names if m.endswith(".*")]
+    layer_of = dict(explicit)
+    for module in modules:
+        if module in explicit:
+            continue
+        matches = [(len(f), index) for f, index in folders if module == f or module.startswith(f + ".")]
+        if matches:
+            layer_of[module] = max(matches)[1]
+    return layer_of
 
 
 def test_every_module_is_placed_in_a_layer() -> None:
-    layer_of = _layer_of()
     listed = [module for _, modules in LAYERS for module in modules]
     assert len(listed) == len(set(listed)), (
         f"modules listed twice in LAYERS: {sorted(m for m in listed if listed.count(m) > 1)}"
     )
     modules = source_modules()
+    layer_of = _layer_of(list(modules))
     unplaced = sorted(set(modules) - set(layer_of))
     assert not unplaced, (
-        f"modules in no layer: {', '.join(unplaced)} — place each in LAYERS of tests/test_layering.py, "
-        "in the lowest layer that holds everything it imports"
+        f"modules in no layer: {', '.join(unplaced)} — place each (or its folder, ``pkg.*``) in LAYERS of "
+        "tests/test_layering.py, in the lowest layer that holds everything it imports"
     )
-    stale = sorted(set(layer_of) - set(modules))
-    assert not stale, f"LAYERS lists modules that do not exist: {', '.join(stale)} — remove them"
+    stale = sorted(m.removesuffix(".*") for m in listed if m.removesuffix(".*") not in modules)
+    assert not stale, f"LAYERS lists modules or folders that do not exist: {', '.join(stale)} — remove them"
 
 
 def test_modules_import_only_from_their_layer_or_lower() -> None:
@@ -228,3 +195,25 @@ def test_imports_are_read_wherever_they_are(tmp_path: Path, source: str, expecte
     known = {"kvbudget", "kvbudget.data", "kvbudget.engine", "kvbudget.session", "kvbudget.eval.tasks"}
     known |= {"kvbudget.eval.tasks.base"}
     assert [(t, n) for t, n, _ in _imports("kvbudget.eval.runner", path, known)] == expected
+
+
+def test_no_import_circles() -> None:
+    """No module reaches itself through imports (any import: top level, nested or TYPE_CHECKING)."""
+    modules = source_modules()
+    known = set(modules)
+    graph = {
+        module: {target for target, _, _ in _imports(module, path, known) if target in known} - {module}
+        for module, path in modules.items()
+    }
+    circles = []
+    for start in graph:  # a depth-first search from each module for a path back to it
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" → ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, "import circles:\n" + "\n".join(sorted(set(circles))[:20])

@@ -187,7 +187,7 @@ def test_kvpress_runner_refuses_presses_on_a_transformers_they_do_not_support(
 
     import transformers
 
-    from kvbudget.bench import kvpress_runner
+    from kvbudget.peer import kvpress_runner
 
     assert tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 3)  # the main env's
     monkeypatch.setitem(sys.modules, "kvpress", types.ModuleType("kvpress"))

@@ -19,7 +19,7 @@ from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
 from kvbudget.eval.store import load_rows
 from kvbudget.methods.registry import make_method
-from kvbudget.prune import decoder_parts, run_layers
+from kvbudget.prefill.pruned import decoder_parts, run_layers
 
 CONTEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 3
 
@@ -281,7 +281,7 @@ def test_fastkv_prunes_the_forward_at_true_positions():
     with torch.no_grad():
         inputs = kvbudget.engine.PrefillInputs(ids, torch.ones_like(ids), torch.arange(100)[None], 100)
         session = kvbudget.session.CompressionSession(method, 4, budget=24)
-        from kvbudget.prune import prune_prefill
+        from kvbudget.prefill.pruned import prune_prefill
 
         cache, logits, _ = prune_prefill(model, inputs, session)
         kvbudget.detach(model)

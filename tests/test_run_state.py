@@ -14,7 +14,7 @@ import torch
 
 import kvbudget
 from conftest import tiny_model
-from kvbudget.prefill import forward_last_logits
+from kvbudget.prefill.common import forward_last_logits
 from method_matrix import ALL_METHODS, small
 
 STEPS = 4

@@ -9,8 +9,8 @@ import kvbudget
 from kvbudget.engine import build_prompt, decode_loop, eos_ids, prefill_inputs
 from kvbudget.errors import KVBudgetError
 from kvbudget.observation import Observation
+from kvbudget.prefill.derived import derive, take_snapshot
 from kvbudget.session import CompressionSession
-from kvbudget.snapshot import derive, take_snapshot
 from method_matrix import ALL_METHODS, PRUNE_METHODS, small
 
 CONTEXTS = [

@@ -16,7 +16,7 @@ import kvbudget
 from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.attention import attend_static
 from kvbudget.methods.registry import make_method
-from kvbudget.prefill import forward_last_logits
+from kvbudget.prefill.common import forward_last_logits
 from kvbudget.static_cache import CacheFullError, StaticBudgetCache
 from kvbudget.static_decode import StaticDecoder, static_refusal
 from method_matrix import ALL_METHODS, small

@@ -44,6 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvbudget.architectures import SUPPORTED_MODEL_TYPES
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import UnsupportedModelError
+from kvbudget.joined_cache import JoinedCache
 from kvbudget.masks import attention_mask_for, causal_visibility, window_visibility
 from kvbudget.static_cache import StaticBudgetCache
 
@@ -300,10 +301,32 @@ def kvbudget_attention(
     if isinstance(cache, StaticBudgetCache):
         out = attend_static(query, cache, module.layer_idx, scale, window, softcap)
         return out.transpose(1, 2).contiguous(), None
+    if isinstance(cache, JoinedCache):  # continuous batching: each row attends over its own cache
+        rows = [
+            _attend_budget_cache(
+                cache.rows[r], module.layer_idx, query[r : r + 1], None, scale, window, softcap
+            )
+            for r in range(len(cache.rows))
+        ]
+        return torch.cat(rows, 0).transpose(1, 2).contiguous(), None
     if not isinstance(cache, BudgetCache):
         out = _plain_attention(query, key, value, attention_mask, scale, window, softcap)
         return out.transpose(1, 2).contiguous(), None
-    layer_idx = module.layer_idx
+    out = _attend_budget_cache(cache, module.layer_idx, query, attention_mask, scale, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_budget_cache(
+    cache: BudgetCache,
+    layer_idx: int,
+    query: torch.Tensor,
+    attention_mask: Any,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``[b, q_heads, q, d]`` attention of ``query`` over layer ``layer_idx`` of ``cache``, then the
+    cache's session (compression) sees the layer."""
     layer = cache.layers[layer_idx]
     layer.sliding_window, layer.softcap = window, softcap
     if isinstance(attention_mask, PaddingInfo):
@@ -317,13 +340,17 @@ def kvbudget_attention(
         if cache.session.edits_earlier_layers and cache.session.phase == "prefill":
             for earlier in range(layer_idx):  # re-evicted (cascading) or compressed after the last layer
                 cache.note_memory(earlier)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     cache = kwargs.get("past_key_values")
     if isinstance(cache, BudgetCache):
         cache.attention_attached = True
+        kwargs["kvbudget_cache"] = cache
+    elif isinstance(cache, JoinedCache):
+        for row in cache.rows:
+            row.attention_attached = True
         kwargs["kvbudget_cache"] = cache
     elif isinstance(cache, StaticBudgetCache):
         kwargs["kvbudget_cache"] = cache

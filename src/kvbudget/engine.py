@@ -5,8 +5,9 @@
 compressing each layer right after its attention, then decodes greedily (or with temperature /
 top-p) while decode-stage methods keep the cache at budget. Lookahead methods
 (:mod:`kvbudget.methods.lookahead`) compress the whole prefilled part at once, right after it
-(:func:`kvbudget.prefill.run_lookahead`), before the question of a question-agnostic run is
-appended. The prefill steps themselves live in :mod:`kvbudget.prefill`.
+(:func:`kvbudget.prefill.common.run_lookahead`), before the question of a question-agnostic run is
+appended. The prefill itself, with its strategies side by side, lives in :mod:`kvbudget.prefill`
+(``engine.prefill``, ``prefill_batch`` and ``prefill_inputs`` are its layer-wise entry points).
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ from kvbudget.cache import BudgetCache, CacheStats, full_cache_stats
 from kvbudget.errors import BudgetError, InputError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
-from kvbudget.prefill import (
-    PrefillInputs,
-    append_uncompressed,
-    eos_ids,
-    forward_last_logits,
-    prefill_compressed_part,
-    run_lookahead,
-)
-from kvbudget.prune import prune_prefill
+from kvbudget.prefill.common import PrefillInputs as PrefillInputs  # re-exported: the prefill's entry
+from kvbudget.prefill.common import Prompt as Prompt  # points stay reachable as engine.prefill & co.
+from kvbudget.prefill.common import eos_ids as eos_ids
+from kvbudget.prefill.common import forward_last_logits
+from kvbudget.prefill.common import prefill_inputs as prefill_inputs
+from kvbudget.prefill.layerwise import prefill as prefill
+from kvbudget.prefill.layerwise import prefill_batch as prefill_batch
 from kvbudget.session import CompressionSession, Phase
 from kvbudget.static_cache import StaticBudgetCache
 from kvbudget.static_decode import StaticDecoder, static_refusal
@@ -82,22 +81,6 @@ class GenerationResult:
     cache_trace: list[int] = field(default_factory=list)
 
 
-@dataclass
-class Prompt:
-    """A tokenised prompt split where the context ends (for question-agnostic compression).
-
-    ``marked``: positions of the tokens covering the ``mark`` text given to :func:`build_prompt`.
-    """
-
-    context_ids: list[int]
-    question_ids: list[int]
-    marked: list[int] = field(default_factory=list)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.context_ids + self.question_ids
-
-
 def build_prompt(
     tokenizer: PreTrainedTokenizerBase,
     context: str,
@@ -137,18 +120,6 @@ def build_prompt(
     return Prompt(head_ids, tail_ids, marked)
 
 
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, T]`` ids and mask, shorter sequences padded on the left."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        if s:
-            ids[r, width - len(s) :] = torch.tensor(s)
-            mask[r, width - len(s) :] = 1
-    return ids, mask
-
-
 def check_budget(method: Method, budget: int | None, ratio: float | None, max_context: int) -> None:
     if budget is not None and ratio is not None:
         raise BudgetError("give either budget or ratio, not both")
@@ -174,7 +145,7 @@ def check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int])
             )
 
 
-def _next_token(
+def next_token(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
 ) -> torch.Tensor:
     """``logits: [b, vocab]`` → ``[b]`` token ids (greedy when ``temperature == 0``)."""
@@ -199,69 +170,6 @@ def selection_layer(session: CompressionSession, row: int) -> int | None:
 
 def model_max_context(model: PreTrainedModel) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-
-
-def prefill_inputs(prompts: list[Prompt], pad_id: int, compress_context_only: bool = False) -> PrefillInputs:
-    """Left-pad ``prompts``; in question-agnostic mode the context and question are padded apart."""
-    if compress_context_only:
-        ctx_ids, ctx_mask = _left_pad([p.context_ids for p in prompts], pad_id)
-        q_ids, q_mask = _left_pad([p.question_ids or [pad_id] for p in prompts], pad_id)
-        for r, p in enumerate(prompts):
-            if not p.question_ids:
-                q_mask[r] = 0
-        ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
-        cut = ctx_ids.shape[1]
-    else:
-        ids, mask = _left_pad([p.ids for p in prompts], pad_id)
-        cut = ids.shape[1]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return PrefillInputs(ids, mask, positions, cut)
-
-
-def prefill_batch(
-    model: PreTrainedModel, inputs: PrefillInputs, session: CompressionSession, eos: set[int] | None = None
-) -> tuple[BudgetCache, torch.Tensor, PrefillInputs]:
-    """Prefill ``inputs`` into a new BudgetCache with ``session``'s method (attached model, prepared
-    method): prune-stage methods through :func:`kvbudget.prune.prune_prefill` (the engine's own layer
-    loop, deeper layers on selected tokens); the others layer by layer, then a lookahead method's
-    lookahead (``eos`` ends it; default: the model's). The uncompressed question of a
-    question-agnostic batch is appended last.
-
-    Returns the cache, the last position's logits ``[b, vocab]`` and the inputs the cache describes
-    (``inputs`` itself, or a two-pass method's selected tokens with re-indexed positions).
-    """
-    if "prune" in session.method.stages:
-        return prune_prefill(model, inputs, session)
-    cache = BudgetCache(model.config.num_hidden_layers, session)
-    session.phase = Phase.PREFILL
-    logits = prefill_compressed_part(model, inputs, cache)
-    run_lookahead(model, inputs, cache, logits, eos)
-    question_logits = append_uncompressed(model, inputs, cache)
-    return cache, logits if question_logits is None else question_logits, inputs
-
-
-@torch.inference_mode()
-def prefill(
-    model: PreTrainedModel,
-    prompts: list[Prompt],
-    session: CompressionSession,
-    pad_id: int,
-    compress_context_only: bool = False,
-    eos: set[int] | None = None,
-) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prefill ``prompts`` (left-padded batch) into a new BudgetCache, compressing layer by layer
-    (lookahead methods: right after the compressed part; ``eos`` ends their lookahead; prune-stage
-    methods in the engine's own layer loop): see :func:`prefill_batch`.
-
-    Returns the cache, the last position's logits ``[b, vocab]``, the 2-D attention mask
-    ``[b, T]`` and the position of each row's last token ``[b]`` — what decoding continues from
-    (for two-pass methods: the selected tokens, re-indexed).
-    """
-    attach(model)
-    session.bind(model)
-    inputs = prefill_inputs(prompts, pad_id, compress_context_only)
-    cache, logits, inputs = prefill_batch(model, inputs, session, eos)
-    return cache, logits, inputs.mask, inputs.positions[:, -1]
 
 
 @dataclass
@@ -351,7 +259,7 @@ def decode_loop(
     generator = generator or torch.Generator().manual_seed(0)
     if cache.session is not None:
         cache.session.phase = Phase.DECODE
-    token = _next_token(logits, temperature, top_p, generator)
+    token = next_token(logits, temperature, top_p, generator)
     generated = [[int(t)] for t in token]
     finished = torch.tensor([int(t) in eos for t in token])
     traces: list[list[int]] = [[] for _ in generated]
@@ -365,7 +273,7 @@ def decode_loop(
         mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
         last_pos = last_pos + 1
         logits = forward_last_logits(model, token[:, None], mask, last_pos[:, None], cache)
-        token = _next_token(logits, temperature, top_p, generator)
+        token = next_token(logits, temperature, top_p, generator)
         steps += 1
         entries = _row_entries(cache) if trace else None
         for r, t in enumerate(token.tolist()):

@@ -62,7 +62,7 @@ from kvbudget.engine import (
 from kvbudget.errors import InputError, KVBudgetError, UnsupportedMethodError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
-from kvbudget.prefill import append_uncompressed, eos_ids, prefill_compressed_part, run_lookahead
+from kvbudget.prefill.common import append_uncompressed, eos_ids, prefill_compressed_part, run_lookahead
 from kvbudget.session import CompressionSession, Phase
 
 #: attribute of a model held attached by open CompressingCaches (see :class:`_Hold`)

@@ -7,7 +7,7 @@ is: ``"prefill"`` (compress each layer right after its
 attention, so peak memory stays near one full layer plus the compressed rest; post-prefill methods
 only record each layer and compress all of them after the last one), ``"decode"``
 (decode-stage methods trim each layer back to budget after every step), ``"record"`` (keep each
-layer's queries and compress nothing: the shared prefill of :mod:`kvbudget.snapshot`) or ``"off"``.
+layer's queries and compress nothing: the shared prefill of :mod:`kvbudget.prefill.derived`) or ``"off"``.
 
 Lookahead methods (``"lookahead"`` in ``Method.stages``, :mod:`kvbudget.methods.lookahead`)
 compress nothing during the prefill; the session keeps the last ``method.queries_to_record()``
@@ -99,7 +99,7 @@ class CompressionSession:
             ``"record"`` phase; the last ``method.queries_to_record()`` in ``"prefill"`` phase).
         observation_memos: per layer, the memo of the prefill :class:`Observation` (window
             probabilities, column sums), shared with other sessions that observe the very same
-            queries and uncompressed layer — the runs :func:`kvbudget.snapshot.derive` makes from
+            queries and uncompressed layer — the runs :func:`kvbudget.prefill.derived.derive` makes from
             one snapshot. ``None`` (the default): each observation starts empty.
         prompt_ids: ``[b, T]`` token ids of the compressed part (left-padded), set by the engine
             right before a lookahead method's ``run_lookahead`` (KVzip feeds the context again).

@@ -1,7 +1,7 @@
 """Greedy decoding over a :class:`~kvbudget.static_cache.StaticBudgetCache`, optionally as a CUDA graph.
 
 A decode step is a manual forward built from the model's own modules (as the prune stage's, see
-:func:`kvbudget.prune.decoder_parts`): embed the current token → RoPE at each row's ``seen`` →
+:func:`kvbudget.prefill.pruned.decoder_parts`): embed the current token → RoPE at each row's ``seen`` →
 every decoder layer (its attention writes into the static buffers and attends in one call per
 layer, :func:`kvbudget.attention.attend_static`) → norm → LM head → argmax written back into the
 input buffer. Every tensor it reads or writes lives at a fixed address and has a fixed shape, and
@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache, BudgetLayer
-from kvbudget.prune import decoder_parts
+from kvbudget.prefill.pruned import decoder_parts
 from kvbudget.static_cache import StaticBudgetCache
 
 

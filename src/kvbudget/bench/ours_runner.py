@@ -2,7 +2,7 @@
 
     python -m kvbudget.bench.ours_runner --model M --samples S.jsonl --jobs J.json [--warmup]
 
-The mirror of :mod:`kvbudget.bench.kvpress_runner`'s ``--serve``: it loads the model, reads the
+The mirror of :mod:`kvbudget.peer.kvpress_runner`'s ``--serve``: it loads the model, reads the
 exported samples and the jobs (each names one of :data:`kvbudget.bench.peer.PEERS`, a budget and
 ``question_aware``), optionally warms up on one short untimed run of the first job, prints
 ``READY`` and answers ``{"sample": i, "job": j}`` stdin lines with ``ROW <json>`` lines, one
@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", action="store_true", help="run the first job once untimed first")
     args = parser.parse_args(argv)
 
-    from kvbudget.bench.kvpress_runner import serve
     from kvbudget.bench.peer import run_ours
     from kvbudget.models import load_model
+    from kvbudget.peer.kvpress_runner import serve
 
     model, _ = load_model(args.model, dtype=args.dtype)
     with open(args.samples) as fh:

@@ -10,7 +10,7 @@ decoding. The ``full`` pair (our ``full`` ↔ no press) is the accuracy ceiling;
 sample, without a budget.
 
 kvpress runs in its own environment (``make peer`` → ``.venv-peer``) through the standalone
-:mod:`kvbudget.bench.kvpress_runner`; ours runs in :mod:`kvbudget.bench.ours_runner`, a process of
+:mod:`kvbudget.peer.kvpress_runner`; ours runs in :mod:`kvbudget.bench.ours_runner`, a process of
 the same layout. Each serves one (sample, job) per request after one untimed warm-up run, and
 every (repeat, sample, job) runs on both sides back to back, the side that goes first alternating:
 the machine's speed drifts over minutes, which whole passes per side would turn into a bias.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbudget.errors import KVBudgetError
+from kvbudget.peer.environment import RunnerServer, peer_python_path, runner_script
 
 #: our method spec ↔ kvpress press (name, options; ``inner`` for wrapper presses; ``attn`` when
 #: the press needs another attention implementation). kvpress's SnapKV defaults: window 64,
@@ -65,20 +65,6 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
 #: seconds between two timed runs, a precaution: the side that just finished may still have
 #: OpenMP threads spin-waiting on the cores as the other side starts
 SETTLE_S = 0.3
-
-
-def runner_script() -> Path:
-    """Path of the standalone kvpress runner (executed by the peer environment's Python)."""
-    return Path(__file__).with_name("kvpress_runner.py")
-
-
-def peer_python_path(path: str | os.PathLike[str]) -> Path | None:
-    """``path`` if it is an executable Python of a kvpress environment, else None."""
-    p = Path(path)
-    if p.is_file() and os.access(p, os.X_OK):
-        return p
-    found = shutil.which(str(path)) if not p.is_absolute() and p.parent == Path() else None
-    return Path(found) if found else None
 
 
 @dataclass
@@ -179,42 +165,6 @@ def run_ours(
         "wall_s": wall_s, "kept_entries": kept // entry - question,
         "final_entries": cache.stats().logical_bytes // entry,
     }  # fmt: skip
-
-
-class RunnerServer:
-    """A runner process serving one (sample, job) per request — kvpress's (``kvpress_runner.py
-    --serve``) or ours (:mod:`kvbudget.bench.ours_runner`). Its stderr goes to ``log``; ``name``
-    names it in errors."""
-
-    def __init__(self, name: str, command: list[str], log: Path, env: dict[str, str]) -> None:
-        self.name, self.log = name, log
-        self._stderr = log.open("w")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
-        )
-        self._expect("READY")
-
-    def _expect(self, prefix: str) -> str:
-        """The next stdout line starting with ``prefix`` (other output is skipped)."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix) :].strip()
-        self.close()
-        tail = "\n".join(self.log.read_text().strip().splitlines()[-8:])
-        raise KVBudgetError(f"the {self.name} runner stopped (exit {self.proc.returncode}):\n{tail}")
-
-    def run(self, sample: int, job: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"sample": sample, "job": job}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._expect("ROW "))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self._stderr.close()
 
 
 def _runner_args(model: str | Path, samples: Path, jobs_path: Path, dtype: str) -> list[str]:

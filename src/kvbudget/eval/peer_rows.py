@@ -23,7 +23,7 @@ prompt, or the context alone when question-agnostic); a kvpress row's ``budget``
 PyramidKV and the AdaKV-wrapped presses keep that many on average over layers or heads.
 
 kvpress runs in its own environment (``make peer`` → ``.venv-peer``; kvpress 0.5.5 needs
-transformers < 5.3) through :mod:`kvbudget.bench.kvpress_runner`, one serving process answering
+transformers < 5.3) through :mod:`kvbudget.peer.kvpress_runner`, one serving process answering
 one (sample, press, ratio) at a time; a run that raises becomes an error row (as the runner's),
 a runner process that dies is restarted for the next run. Perplexity tasks are left out (kvpress
 compresses a prompt once; it has no chunked-perplexity mode).
@@ -243,7 +243,7 @@ def press_names(names: list[str], question_aware: bool = True) -> list[str]:
 def peer_python(path: str | os.PathLike[str] = DEFAULT_PEER_PYTHON) -> tuple[Path, str]:
     """The kvpress environment's Python and its versions (``kvpress 0.5.5 / transformers 5.2.0``),
     checked without importing torch; a one-line error when it is missing or lacks kvpress."""
-    from kvbudget.bench.peer import peer_python_path
+    from kvbudget.peer.environment import peer_python_path
 
     python = peer_python_path(path)
     if python is None:
@@ -327,7 +327,7 @@ class _Server:
     """The kvpress runner serving requests (restarted after a run that kills it)."""
 
     def __init__(self, python: Path, model_dir: Path, work: Path, dtype: str) -> None:
-        from kvbudget.bench.peer import runner_script
+        from kvbudget.peer.environment import runner_script
 
         self.command = [
             str(python), "-P", str(runner_script()), "--model", str(model_dir),
@@ -338,7 +338,7 @@ class _Server:
         self.server = None
 
     def run(self, sample: int, job: int) -> dict[str, Any]:
-        from kvbudget.bench.peer import RunnerServer
+        from kvbudget.peer.environment import RunnerServer
 
         if self.server is None:  # a runner that cannot start is the user's error: raised
             self.server = RunnerServer("kvpress", self.command, self.log, _peer_env())

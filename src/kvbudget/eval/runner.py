@@ -1,11 +1,11 @@
 """The evaluation grid runner: tasks × lengths × samples × methods × budgets.
 
 Shared prefill (default): each sample is prefilled once with the full cache
-(:func:`kvbudget.snapshot.take_snapshot`); the full-cache answer, its teacher-forced
+(:func:`kvbudget.prefill.derived.take_snapshot`); the full-cache answer, its teacher-forced
 log-probabilities and every (method, budget) cache derive from that snapshot. Prune-stage methods
 (ASL, FastKV, GemFilter, PyramidInfer) change the prefill forward only after the layer where they
 cut: when the grid has one, the snapshot keeps each layer's hidden states and such a method runs
-only its deeper layers on the kept tokens (:func:`kvbudget.prune.derive_pruned`). With
+only its deeper layers on the kept tokens (:func:`kvbudget.prefill.pruned.derive_pruned`). With
 ``shared=False`` every run prefills on its own (layer-wise compression, as ``generate`` does) —
 the two give bit-identical predictions; the shared one is several times faster.
 
@@ -61,9 +61,9 @@ from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method, method_names
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.models import resolve_dtype
-from kvbudget.prefill import Snapshot, eos_ids
+from kvbudget.prefill.common import Snapshot, eos_ids
+from kvbudget.prefill.derived import derive, take_snapshot
 from kvbudget.session import CompressionSession
-from kvbudget.snapshot import derive, take_snapshot
 
 
 def ratio_budget(compression_ratio: float, compressed_tokens: int) -> int:

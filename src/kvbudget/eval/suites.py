@@ -47,7 +47,7 @@ LEADERBOARD: dict[str, Any] = {
 #: (niah_single_3 and kv_retrieval cost 45 min each there and nearly every method scores 0).
 LEADERBOARD_CORE_TASKS = ["needle", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "vt", "lcc"]
 
-#: The question-aware plan ``scripts/leaderboard_run.py`` runs without budget options, part after
+#: The question-aware plan ``lab/scripts/leaderboard_run.py`` runs without budget options, part after
 #: part: (ratios, tasks). r = 0.875 on every task; 0.5 (the ratio of the question-agnostic track) on
 #: the core tasks; 0.75 and 0.25 on the core tasks but lcc, where every attention-scored method lands
 #: between 35 and 52 at r = 0.875 while a task costs about 40% of a ratio's time (docs/leaderboard.md).

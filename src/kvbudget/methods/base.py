@@ -199,7 +199,7 @@ class Method:
         from ``model`` bound (offline profiles, filters); the session that owns the run calls it.
 
         Called through :class:`~kvbudget.session.CompressionSession` by :func:`kvbudget.engine.prefill`,
-        :func:`kvbudget.engine.compress`, :func:`kvbudget.snapshot.derive` and the perplexity task
+        :func:`kvbudget.engine.compress`, :func:`kvbudget.prefill.derived.derive` and the perplexity task
         before the first forward. ``model`` may be ``None`` for methods that need nothing from it.
         """
         return RunState()

@@ -50,7 +50,7 @@ class D2ORun(RunState):
     """A D2O run: each layer's attention variance per row (``sigma[layer][row]``, from the
     prefill), the layer budgets per row after it (``None``: the row was not compressed), the merge
     thresholds ``τ`` per layer and row, and an optional ``merge_watcher`` called with a
-    :class:`MergeEvent` after every merge (diagnostics, ``scripts/d2o_merge_diagnostics.py``)."""
+    :class:`MergeEvent` after every merge (diagnostics, ``lab/scripts/d2o_merge_diagnostics.py``)."""
 
     sigma: dict[int, list[float]] = field(default_factory=dict)
     budgets: list[list[int] | None] = field(default_factory=list)

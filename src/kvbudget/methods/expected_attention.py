@@ -92,9 +92,9 @@ class ExpectedAttention(Method):
     head floor is AdaKV's formula (as ``ada-snapkv``), not kvpress's safeguard (``floor="kvpress"``);
     with ``floor_alpha=0`` both are the plain top-k over the layer's heads. We score in float64;
     kvpress scores in the model's dtype, so in bf16 the two keep a few percent different entries
-    even with the same floor (docs/leaderboard.md, ``scripts/ea_kvpress_overlap.py``). The paper's value term
-    ``‖W_o v‖`` is ``‖v‖`` here, as in kvpress. Prefill only (the paper's decoding variant is not
-    implemented).
+    even with the same floor (docs/leaderboard.md, ``lab/scripts/ea_kvpress_overlap.py``). The
+    paper's value term ``‖W_o v‖`` is ``‖v‖`` here, as in kvpress. Prefill only (the paper's
+    decoding variant is not implemented).
 
     Reference: Devoto, Jeblick and Jégou, "Expected Attention: KV Cache Compression by Estimating
     Attention from Future Queries Distribution" (arXiv:2510.00636); NVIDIA kvpress

@@ -17,7 +17,7 @@ and allocator runs on them unchanged: ``laq`` takes SnapKV's allocator options (
 ``laq-lava`` is LAVa's score with its cascading layer and head budgets (and LAVa's options).
 
 The engine calls :meth:`LookaheadMixin.run_lookahead` right after the prefill (and
-:func:`kvbudget.snapshot.derive` after deriving a full cache from a shared prefill, so the
+:func:`kvbudget.prefill.derived.derive` after deriving a full cache from a shared prefill, so the
 evaluation runner's shared-prefill path gives the same cache as a layer-wise run).
 """
 

@@ -1,7 +1,7 @@
 """PruneMethod: the base of prune-stage methods (ASL, FastKV, GemFilter, PyramidInfer).
 
 A prune-stage method changes the prefill forward itself: after some layer, deeper layers process
-only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prune`) runs
+only selected tokens (docs/architecture.md, "Prune stage"). The engine (:mod:`kvbudget.prefill.pruned`) runs
 the decoder layers one by one; after each layer's attention the compression session calls
 :meth:`PruneMethod.compress_layer` (as for prefill-stage methods), where the method scores the layer,
 may request a cut with :meth:`PruneRun.request_cut` on the run's state, and may compress the layer's

@@ -35,7 +35,7 @@ from kvbudget.eval.sample import Sample
 from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.methods.base import Method, RunState
 from kvbudget.methods.profiled import ProfiledMethod
-from kvbudget.prefill import PrefillInputs
+from kvbudget.prefill.common import PrefillInputs
 from kvbudget.session import CompressionSession, Phase
 
 

@@ -1,6 +1,6 @@
 """Logical vs physical KV bytes and head budgets at budget 64 on a 2K needle prompt.
 
-.venv/bin/python scripts/memory_per_head.py
+.venv/bin/python lab/scripts/memory_per_head.py
 """
 
 from __future__ import annotations

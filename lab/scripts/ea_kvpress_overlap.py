@@ -1,7 +1,7 @@
 """Where kvbudget's and kvpress's Expected Attention part: the positions each keeps, per layer and KV head.
 
-    .venv/bin/python scripts/ea_kvpress_overlap.py [--tasks vt,lcc] [--samples 10] [--ratio 0.875]
-        [--dtype bfloat16] [--out results/ea-kvpress/overlap-bfloat16.md]
+    .venv/bin/python lab/scripts/ea_kvpress_overlap.py [--tasks vt,lcc] [--samples 10] [--ratio 0.875]
+        [--dtype bfloat16] [--out lab/results/ea-kvpress/overlap-bfloat16.md]
 
 On the leaderboard's own prompts (qwen2.5-coder-0.5b in bf16, 2,048 tokens; context and question
 together, as the question-aware track compresses them) it prefills each prompt once with kvbudget's

@@ -5,7 +5,7 @@ and prints Spearman rank correlations between the first two prompts' per-prompt 
 KV caches (importance), all query heads, the layers' SqueezeAttention similarity, and the mean of
 the within-layer correlations over KV caches. Also the overlap of the 10 most / least important caches.
 
-    PYTHONPATH=src python scripts/baklava_consistency.py /tmp/baklava/smollm2.json
+    PYTHONPATH=src python lab/scripts/baklava_consistency.py /tmp/baklava/smollm2.json
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The tables of docs/claims.md, from committed results (no model runs):
 
-    .venv/bin/python scripts/claims_tables.py [--update docs/claims.md] [--leaderboard results/leaderboard]
-        [--baklava results/claims-baklava] [--asl-ttft results/claims-asl-ttft] [--dtype-check DIR]
-        [--agnostic results/leaderboard-agnostic] [--ea-floor results/ea-kvpress]
+    .venv/bin/python lab/scripts/claims_tables.py [--update docs/claims.md]
+        [--leaderboard lab/results/leaderboard] [--baklava lab/results/claims-baklava]
+        [--asl-ttft lab/results/claims-asl-ttft] [--dtype-check DIR]
+        [--agnostic lab/results/leaderboard-agnostic] [--ea-floor lab/results/ea-kvpress]
 
 Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
 those blocks in the file.
@@ -232,7 +233,11 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     out["baklava-tasks"] = pairs_table(rows, bak)
     if has_results(args.baklava):
         ppl = [r for r in load_rows(args.baklava / "results.jsonl") if r.get("error") is None]
-        profile = ":profile=" + str(args.baklava / "profile.json")
+        # The tuned rows name the folder's profile.json by the path their run was given (the
+        # committed rows: results/claims-baklava/profile.json, from before the folder moved to lab/).
+        recorded = sorted({r["label"] for r in ppl if r["label"].startswith("baklava:profile=")})
+        default = ":profile=" + str(args.baklava / "profile.json")
+        profile = recorded[0].removeprefix("baklava") if recorded else default
         tuned = {label: label + profile for label in ("baklava", "squeezeattention")}
         ppl_pairs = [
             (tuned["baklava"], "streamingllm"), (tuned["baklava"], tuned["squeezeattention"]),
@@ -458,12 +463,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--leaderboard", type=Path, default=Path("results/leaderboard"))
-    parser.add_argument("--baklava", type=Path, default=Path("results/claims-baklava"))
-    parser.add_argument("--asl-ttft", type=Path, default=Path("results/claims-asl-ttft"))
-    parser.add_argument("--dtype-check", type=Path, default=Path("results/dtype-check"))
-    parser.add_argument("--agnostic", type=Path, default=Path("results/leaderboard-agnostic"))
-    parser.add_argument("--ea-floor", type=Path, default=Path("results/ea-kvpress"))
+    parser.add_argument("--leaderboard", type=Path, default=Path("lab/results/leaderboard"))
+    parser.add_argument("--baklava", type=Path, default=Path("lab/results/claims-baklava"))
+    parser.add_argument("--asl-ttft", type=Path, default=Path("lab/results/claims-asl-ttft"))
+    parser.add_argument("--dtype-check", type=Path, default=Path("lab/results/dtype-check"))
+    parser.add_argument("--agnostic", type=Path, default=Path("lab/results/leaderboard-agnostic"))
+    parser.add_argument("--ea-floor", type=Path, default=Path("lab/results/ea-kvpress"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard.md)",

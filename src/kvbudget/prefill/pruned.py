@@ -31,7 +31,7 @@ from kvbudget.attention import PaddingInfo, attach, check_supported
 from kvbudget.cache import BudgetCache
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.prune_base import PruneMethod
-from kvbudget.prefill import PrefillInputs, Snapshot, append_uncompressed
+from kvbudget.prefill.common import PrefillInputs, Snapshot, append_uncompressed
 from kvbudget.session import CompressionSession, Phase, replay_prefill
 
 

@@ -5,7 +5,7 @@ the question-agnostic one (window = end of the context, kvpress's setting), at s
 how many of the needle's tokens each layer keeps, and where the needle's best token ranks among
 all candidates by SnapKV's score (percentile; 100 = top).
 
-    .venv/bin/python scripts/needle_layers.py --length 2048
+    .venv/bin/python lab/scripts/needle_layers.py --length 2048
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Prune-stage methods change the forward only after the layer where they cut: up t
 that layer every token runs, exactly as in the full prefill. A snapshot taken with
 ``hidden_states=True`` also keeps each layer's output hidden states, so :func:`derive` replays a
 prune method over the snapshot's layers until it cuts, then runs only the deeper layers on the
-kept tokens (:func:`kvbudget.prune.derive_pruned`); a method that never cuts costs no forward.
+kept tokens (:func:`kvbudget.prefill.pruned.derive_pruned`); a method that never cuts costs no forward.
 
 Derived runs share the snapshot's per-layer observation memo (window probabilities, attention
 column sums): they observe the same queries and uncompressed layers, so each is computed once per
@@ -30,14 +30,14 @@ from kvbudget.cache import BudgetCache
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.full import FullCache
-from kvbudget.prefill import (
+from kvbudget.prefill.common import (
     PrefillInputs,
     Snapshot,
     append_uncompressed,
     prefill_compressed_part,
     run_lookahead,
 )
-from kvbudget.prune import decoder_parts, derive_pruned
+from kvbudget.prefill.pruned import decoder_parts, derive_pruned
 from kvbudget.session import CompressionSession, Phase, replay_prefill
 
 
@@ -87,7 +87,7 @@ def derive(
     """The cache ``method`` would have built during the prefill, from ``snapshot``.
 
     Prune-stage methods need a snapshot taken with ``hidden_states=True``; a two-pass method that
-    selects decodes from re-indexed positions (see :func:`kvbudget.prune.derive_pruned`).
+    selects decodes from re-indexed positions (see :func:`kvbudget.prefill.pruned.derive_pruned`).
 
     Post-prefill methods (the lookahead) then run on the derived full cache exactly as after a
     layer-wise prefill; ``eos`` (default: the model's) ends their lookahead — pass the same set as

@@ -1,11 +1,9 @@
-"""The prefill steps the engine, the prune stage and the shared prefill have in common.
+"""The steps every prefill strategy shares (:mod:`kvbudget.prefill` lists the strategies).
 
-A prompt batch is left-padded into :class:`PrefillInputs`; its compressed part is prefilled into a
-:class:`~kvbudget.cache.BudgetCache` (:func:`prefill_compressed_part`), a lookahead method then
-compresses it (:func:`run_lookahead`), and in question-agnostic mode the question is appended
-uncompressed (:func:`append_uncompressed`). :mod:`kvbudget.engine` runs these steps layer-wise,
-:mod:`kvbudget.prune` with its own layer loop, :mod:`kvbudget.snapshot` from a :class:`Snapshot`
-of a full prefill (which prune-stage methods derive from too).
+A tokenised :class:`Prompt` batch is left-padded into :class:`PrefillInputs` (:func:`prefill_inputs`);
+its compressed part is prefilled into a :class:`~kvbudget.cache.BudgetCache`
+(:func:`prefill_compressed_part`), a lookahead method then compresses it (:func:`run_lookahead`), and
+in question-agnostic mode the question is appended uncompressed (:func:`append_uncompressed`).
 """
 
 from __future__ import annotations
@@ -17,6 +15,22 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.cache import BudgetCache
 from kvbudget.session import Phase
+
+
+@dataclass
+class Prompt:
+    """A tokenised prompt split where the context ends (for question-agnostic compression).
+
+    ``marked``: positions of the tokens covering the ``mark`` text given to :func:`build_prompt`.
+    """
+
+    context_ids: list[int]
+    question_ids: list[int]
+    marked: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.context_ids + self.question_ids
 
 
 @dataclass
@@ -37,7 +51,8 @@ class PrefillInputs:
 
 @dataclass
 class Snapshot:
-    """A full prefill of the compressed part of a prompt batch (:func:`kvbudget.snapshot.take_snapshot`).
+    """A full prefill of the compressed part of a prompt batch
+    (:func:`kvbudget.prefill.derived.take_snapshot`).
 
     Attributes:
         inputs: the padded batch (see :class:`PrefillInputs`).
@@ -150,3 +165,32 @@ def append_uncompressed(
     if session is not None:
         session.note_appended(inputs.mask[:, cut:].sum(-1).tolist())
     return logits
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, T]`` ids and mask, shorter sequences padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, width - len(s) :] = torch.tensor(s)
+            mask[r, width - len(s) :] = 1
+    return ids, mask
+
+
+def prefill_inputs(prompts: list[Prompt], pad_id: int, compress_context_only: bool = False) -> PrefillInputs:
+    """Left-pad ``prompts``; in question-agnostic mode the context and question are padded apart."""
+    if compress_context_only:
+        ctx_ids, ctx_mask = _left_pad([p.context_ids for p in prompts], pad_id)
+        q_ids, q_mask = _left_pad([p.question_ids or [pad_id] for p in prompts], pad_id)
+        for r, p in enumerate(prompts):
+            if not p.question_ids:
+                q_mask[r] = 0
+        ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
+        cut = ctx_ids.shape[1]
+    else:
+        ids, mask = _left_pad([p.ids for p in prompts], pad_id)
+        cut = ids.shape[1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return PrefillInputs(ids, mask, positions, cut)

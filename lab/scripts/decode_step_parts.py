@@ -1,6 +1,6 @@
 """Where a decode step's time goes: the weights' matrix-vector products, and per-step overhead.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/decode_step_parts.py --model smollm2-135m --length 2048
+    OMP_NUM_THREADS=2 .venv/bin/python lab/scripts/decode_step_parts.py --model smollm2-135m --length 2048
 
 1. **Weights.** Every ``nn.Linear`` of the model (the tied LM head included), applied to one
    token's activations in turn, as one decode step applies them — at 1 and at 2 torch threads —

@@ -1,6 +1,6 @@
 """vt with the full cache, on the leaderboard's 20 samples, with and without RULER's worked example.
 
-    .venv/bin/python scripts/vt_without_example.py [OUT]   # default results/vt-without-example.jsonl
+    .venv/bin/python lab/scripts/vt_without_example.py [OUT]   # default lab/results/vt-without-example.jsonl
 
 The vt prompt opens with a solved example (three-letter names, answered with spaces between them),
 then the instruction again and the real text. The second variant drops the example and keeps
@@ -23,12 +23,12 @@ from kvbudget.eval.tasks import get_task
 from kvbudget.eval.tasks.ruler_vt import INSTRUCTION
 from kvbudget.models import load_model
 
-LEADERBOARD = Path("results/leaderboard")
+LEADERBOARD = Path("lab/results/leaderboard")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    out = Path(args[0]) if args else Path("results/vt-without-example.jsonl")
+    out = Path(args[0]) if args else Path("lab/results/vt-without-example.jsonl")
     config = json.loads((LEADERBOARD / "config.json").read_text())
     committed = {
         r["sample"]: r

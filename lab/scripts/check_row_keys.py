@@ -4,7 +4,7 @@ For every sample of ``--task`` and every (method, budget or ratio) run of the fo
 ``config.json``, the key, label and options this checkout's runner computes must equal the stored
 row's. Needs the config's model fetched (only its tokenizer is loaded; no model runs).
 
-    PYTHONPATH=src .venv/bin/python scripts/check_row_keys.py results/leaderboard --task needle
+    PYTHONPATH=src .venv/bin/python lab/scripts/check_row_keys.py lab/results/leaderboard --task needle
 
 Exit code 0 when every stored row matches (and at least one was checked), 1 otherwise.
 """

@@ -16,8 +16,8 @@ so it can be called repeatedly in short chunks (``--max-seconds``) until every p
 variant's perplexity and its paired difference from ``d2o-nomerge`` (same passages, resampled
 together), the merge statistics, and a per-layer table; ``--json`` writes that summary.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/d2o_merge_diagnostics.py run --budget 256 --passages 0-7
-    .venv/bin/python scripts/d2o_merge_diagnostics.py summary --budget 256
+    OMP_NUM_THREADS=1 .venv/bin/python lab/scripts/d2o_merge_diagnostics.py run --budget 256 --passages 0-7
+    .venv/bin/python lab/scripts/d2o_merge_diagnostics.py summary --budget 256
 """
 
 from __future__ import annotations

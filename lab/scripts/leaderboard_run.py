@@ -1,6 +1,6 @@
 """Run the leaderboard grid (``LEADERBOARD`` in src/kvbudget/eval/suites.py) task by task, resumable.
 
-    .venv/bin/python scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
+    .venv/bin/python lab/scripts/leaderboard_run.py OUT [--compression-ratios 0.875] [--budgets 128]
         [--tasks needle,vt] [--agnostic] [--methods all] [--dtype float32] [--peer-presses all]
         [--limit 3]
 

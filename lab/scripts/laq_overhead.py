@@ -1,6 +1,6 @@
 """Lookahead overhead of LAQ: (lookahead + re-selection) time as a share of TTFT, real model.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/laq_overhead.py [--length 4096] [--budget 128]
+    OMP_NUM_THREADS=1 .venv/bin/python lab/scripts/laq_overhead.py [--length 4096] [--budget 128]
         [--runs 3] [--methods laq,laq++] [--model smollm2-135m]
 
 One needle prompt of ``--length`` context tokens; per method one warm-up run, then ``--runs``

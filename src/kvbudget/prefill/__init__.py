@@ -1,0 +1,18 @@
+"""The prefill: a prompt batch into a compressed :class:`~kvbudget.cache.BudgetCache`, three ways.
+
+Strategies, side by side:
+
+- **layer-wise** (:mod:`kvbudget.prefill.layerwise`): one forward of the model with kvbudget's
+  attention attached; each layer compresses its cache right after its attention
+  (:class:`~kvbudget.session.CompressionSession`). ``kvbudget.generate`` and the CLI use it;
+  ``model.generate`` reaches the same steps through :class:`kvbudget.native.CompressingCache`.
+- **derived** (:mod:`kvbudget.prefill.derived`): one full prefill (a
+  :class:`~kvbudget.prefill.common.Snapshot`) from which every method's compressed cache is
+  derived, bit-identical to its layer-wise run — the evaluation grid's shared prefill.
+- **pruned** (:mod:`kvbudget.prefill.pruned`): prune-stage methods (ASL, FastKV, GemFilter,
+  PyramidInfer) run the decoder's layers themselves and continue the deeper layers on the tokens
+  they selected; both strategies above hand such a method to it.
+
+What they share (prompt batching, the compressed part's forward, lookahead, the uncompressed
+question of a question-agnostic run) is :mod:`kvbudget.prefill.common`.
+"""

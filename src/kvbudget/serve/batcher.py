@@ -1,0 +1,264 @@
+"""The server's torch side: prefill one request, then decode every active sequence in one forward.
+
+A :class:`Sequence` is one request being served: its prompt ids, sampling settings, compression
+(:class:`Compression`) and, once prefilled, its own :class:`~kvbudget.cache.BudgetCache` and
+:class:`~kvbudget.session.CompressionSession`. :func:`prefill_sequence` runs the engine's layer-wise
+prefill on it alone (batch 1, question-aware: the whole prompt is compressed, as ``kvbudget.generate``
+does by default) and samples its first token; :func:`decode_step` then runs one forward over every
+active sequence (``[rows, 1]`` ids, each row at its own RoPE position) through a
+:class:`~kvbudget.joined_cache.JoinedCache`, so each row's attention reads only its own ragged cache
+and its own session keeps a decode-stage method at budget. Each row's tokens are what
+``kvbudget.generate`` would make for that request alone (``tests/test_serve_batcher.py``).
+
+Memory (:func:`reserved_bytes`, :func:`prefill_peak_bytes`) is counted from the caches' own
+physical bytes, so the scheduler's cap is what the process holds for KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from kvbudget.cache import BudgetCache
+from kvbudget.engine import next_token, prefill
+from kvbudget.errors import InputError
+from kvbudget.joined_cache import JoinedCache
+from kvbudget.methods.base import Method
+from kvbudget.methods.spec import MethodSpec
+from kvbudget.prefill.common import Prompt, forward_last_logits
+from kvbudget.session import CompressionSession, Phase
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How a request's prompt is compressed: a method spec (``snapkv``, ``snapkv:window=16``, a
+    preset ``name@preset``) and a budget (entries per KV head) or a ratio (fraction of the prompt
+    kept), as ``kvbudget.generate`` takes them. ``method="full"`` keeps everything."""
+
+    method: str = "snapkv"
+    budget: int | None = None
+    ratio: float | None = None
+
+    def label(self) -> str:
+        size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        return self.method if self.method == "full" else f"{self.method} ({size})"
+
+
+@dataclass
+class Sequence:
+    """One request being served.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (chat template applied).
+        max_tokens: new tokens at most; ``eos``: ids that end the answer.
+        temperature, top_p, seed: sampling (greedy when ``temperature == 0``).
+        compression: the prompt's compression; ``method``: its configured (frozen) method object.
+        cache, session: the sequence's own cache and run state, once prefilled.
+        last_pos: RoPE position of the last token in the cache.
+        pending: the sampled token not yet in the cache (fed by the next step).
+        generated: every sampled token, ``pending`` included.
+        reused_tokens: prompt tokens served from an earlier turn's cache.
+    """
+
+    prompt_ids: list[int]
+    max_tokens: int
+    eos: frozenset[int]
+    compression: Compression
+    method: Method
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+    cache: BudgetCache | None = None
+    session: CompressionSession | None = None
+    last_pos: int = -1
+    pending: int | None = None
+    generated: list[int] = field(default_factory=list)
+    reused_tokens: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def finished(self) -> bool:
+        """EOS sampled or ``max_tokens`` reached."""
+        done = bool(self.generated) and self.generated[-1] in self.eos
+        return done or len(self.generated) >= self.max_tokens
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose keys and values the cache holds (the pending token is not yet in it)."""
+        return self.prompt_ids + self.generated[:-1] if self.generated else list(self.prompt_ids)
+
+    def turn(self) -> Turn:
+        """This sequence's cache as a :class:`Turn` a follow-up may continue."""
+        if self.cache is None:
+            raise InputError("a sequence not yet prefilled has no turn to keep")
+        return Turn(tuple(self.cached_ids), self.cache, self.last_pos)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A finished sequence's cache, kept for a follow-up: it holds the keys and values of ``ids``
+    (the prompt and the answer but its last token), the last of them at RoPE position ``last_pos``."""
+
+    ids: tuple[int, ...]
+    cache: BudgetCache
+    last_pos: int
+
+    def continues(self, prompt_ids: list[int]) -> bool:
+        """Whether ``prompt_ids`` extends ``ids`` by at least one token."""
+        n = len(self.ids)
+        return len(prompt_ids) > n and tuple(prompt_ids[:n]) == self.ids
+
+
+def make_sequence(
+    prompt_ids: list[int],
+    max_tokens: int,
+    eos: set[int],
+    compression: Compression,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    method: Method | None = None,
+) -> Sequence:
+    """A :class:`Sequence`, its method built from ``compression`` unless given (methods are frozen
+    configurations: the scheduler shares one object between all requests with the same spec)."""
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    method = method if method is not None else MethodSpec.parse(compression.method).build()
+    return Sequence(
+        prompt_ids=list(prompt_ids), max_tokens=max_tokens, eos=frozenset(eos), compression=compression,
+        method=method, temperature=temperature, top_p=top_p, seed=seed,
+    )  # fmt: skip
+
+
+def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+    """Sample ``seq``'s next token from ``logits: [1, vocab]`` with its own generator."""
+    if seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(seq.seed)
+    token = int(next_token(logits, seq.temperature, seq.top_p, seq.generator)[0])
+    seq.pending = token
+    seq.generated.append(token)
+    return token
+
+
+@torch.inference_mode()
+def prefill_sequence(model: PreTrainedModel, seq: Sequence, pad_id: int, reuse: Turn | None = None) -> int:
+    """Prefill ``seq`` alone and sample its first token (returned).
+
+    Without ``reuse``: the whole prompt is prefilled and compressed layer by layer with the
+    sequence's method (question-aware, as ``kvbudget.generate``). With ``reuse``, an earlier turn
+    whose ids the prompt extends (:meth:`Turn.continues`): its cache is taken over and only the
+    new tokens are prefilled, appended uncompressed (the earlier method's session is off for them);
+    decoding then continues under that method as before. The turn's cache must not be used again.
+    """
+    config = model.config
+    if reuse is None:
+        budget, ratio = seq.compression.budget, seq.compression.ratio
+        if budget is None and ratio is None:
+            budget = 128  # kvbudget.generate's default
+        seq.session = CompressionSession(seq.method, config.num_hidden_layers, budget=budget, ratio=ratio)
+        cache, logits, _, last_pos = prefill(
+            model, [Prompt(seq.prompt_ids, [])], seq.session, pad_id, False, set(seq.eos)
+        )
+        seq.cache, seq.last_pos = cache, int(last_pos[0])
+    else:
+        if not reuse.continues(seq.prompt_ids):
+            raise InputError("the prompt does not extend the turn it reuses")
+        seq.cache, seq.reused_tokens, seq.last_pos = reuse.cache, len(reuse.ids), reuse.last_pos
+        session = reuse.cache.session
+        seq.session = session if isinstance(session, CompressionSession) else None
+        new = seq.prompt_ids[len(reuse.ids) :]
+        if seq.session is not None:
+            seq.session.phase = Phase.OFF
+        ids = torch.tensor([new])
+        positions = torch.arange(seq.last_pos + 1, seq.last_pos + 1 + len(new))[None]
+        logits = forward_last_logits(model, ids, torch.ones_like(ids), positions, reuse.cache)
+        seq.last_pos += len(new)
+    if seq.session is not None:
+        seq.session.phase = Phase.DECODE
+    return _sample(seq, logits)
+
+
+@torch.inference_mode()
+def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int]:
+    """One forward over every sequence of ``seqs`` (each fed its pending token at its own position);
+    samples and returns each one's next token."""
+    device = model.device
+    ids = torch.tensor([[s.pending] for s in seqs], device=device)
+    positions = torch.tensor([[s.last_pos + 1] for s in seqs], device=device)
+    joined = JoinedCache(model.config.num_hidden_layers, [s.cache for s in seqs])
+    out = model(
+        input_ids=ids, position_ids=positions, past_key_values=joined, use_cache=True, logits_to_keep=1
+    )
+    logits = out.logits[:, -1]
+    tokens = []
+    for r, s in enumerate(seqs):
+        s.last_pos += 1
+        tokens.append(_sample(s, logits[r : r + 1]))
+    return tokens
+
+
+def entry_bytes(model: PreTrainedModel) -> int:
+    """Bytes of one cache entry (a key and a value of one token in one KV head)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * head_dim * torch.empty((), dtype=model.dtype).element_size()
+
+
+def _with_room(n: int) -> int:
+    """Slots a head's storage has once it holds ``n`` entries, at most (the cache grows storage by
+    ``max(32, n / 16)`` slots: :meth:`kvbudget.cache._Storage.append`)."""
+    return n + max(32, n // 16)
+
+
+def reserved_bytes(model: PreTrainedModel, seq: Sequence) -> int:
+    """KV bytes ``seq`` may hold before it finishes: its cache's physical bytes now, or, if more,
+    every head grown by the tokens it may still generate (with the cache's storage room)."""
+    if seq.cache is None:
+        raise InputError("reserved_bytes needs a prefilled sequence")
+    remaining = seq.max_tokens - len(seq.generated) + 1  # the pending token enters the cache too
+    grown = 0
+    for layer in seq.cache.layers:
+        lengths = layer.head_lengths()[0] if layer.is_initialized else torch.zeros(1, dtype=torch.long)
+        grown += sum(_with_room(int(n) + remaining) for n in lengths) * layer.entry_bytes()
+    return max(seq.cache.physical_bytes(), grown)
+
+
+def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
+    """An upper bound of the KV bytes ``seq`` holds from its prefill to its last token (what
+    admission must find room for).
+
+    A method held to its budget compresses each layer right after its attention, so at the peak one
+    layer holds the whole prompt while all layers together hold at most the budget per KV head on
+    average (layer and head budgets move entries around, not beyond the total). Methods that see
+    every layer before compressing (post-prefill stage, lookahead, prune stage, cascading
+    re-eviction), methods that may keep more than their budget, and the full cache hold the whole
+    prompt. Each head's storage may then grow by the answer, with the cache's room.
+    """
+    config = model.config
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    n, answer = len(seq.prompt_ids), seq.max_tokens
+    per_entry = entry_bytes(model)
+    whole_layer = heads * _with_room(n + answer)
+    method, comp = seq.method, seq.compression
+    if (
+        method.name == "full"
+        or {"post_prefill", "lookahead", "prune"} & set(method.stages)
+        or method.edits_earlier_layers
+        or type(method).exceeds_budget
+    ):
+        return layers * whole_layer * per_entry
+    kept = comp.budget if comp.budget is not None else math.ceil((comp.ratio or 1.0) * n)
+    kept = min(n, max(kept, method.min_budget()))
+    slots = layers * heads  # every head of every layer
+    kept_total = (kept + answer) * slots
+    kept_with_room = kept_total + max(32 * slots, kept_total // 16)
+    return (kept_with_room + whole_layer) * per_entry

@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,eval,ray]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,eval,ray,serve]'
 	touch $@
 
 # Downloads, verifies and converts the default model once, and every evaluation data artifact

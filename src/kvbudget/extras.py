@@ -3,8 +3,9 @@
 ``pip install kvbudget`` installs what compressing a cache needs (torch, transformers, the GGUF
 loader, the CLI). The evaluation harness (:mod:`kvbudget.eval`, :mod:`kvbudget.tuning`,
 :mod:`kvbudget.demo`) and the benchmarks (:mod:`kvbudget.bench`) need ``kvbudget[eval]``; distributed
-runs need ``kvbudget[ray]``. Code outside those modules imports them, and the extras' packages, only
-inside :func:`needs_extra`, which checks the extra up front and turns its absence into one line::
+runs need ``kvbudget[ray]``; the server's HTTP side (:mod:`kvbudget.serve.app`) ``kvbudget[serve]``.
+Code outside those modules imports them, and the extras' packages, only inside :func:`needs_extra`,
+which checks the extra up front and turns its absence into one line::
 
     with needs_extra("eval", "kvbudget eval"):
         from kvbudget.eval.runner import run_eval
@@ -23,6 +24,7 @@ from kvbudget.errors import MissingExtraError
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "eval": ("the evaluation extra", ("matplotlib", "numpy", "rapidfuzz", "rdata", "rouge_score", "tqdm")),
     "ray": ("the Ray extra", ("ray",)),
+    "serve": ("the serving extra", ("prometheus_client", "starlette", "uvicorn")),
 }
 
 

@@ -219,17 +219,24 @@ def _with_room(n: int) -> int:
     return n + max(32, n // 16)
 
 
+def grown_bytes(cache: BudgetCache, tokens: int) -> int:
+    """KV bytes ``cache`` may hold once every head has grown by ``tokens`` entries (with the cache's
+    storage room), or its physical bytes now if more."""
+    grown = 0
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        lengths = layer.head_lengths()[0].tolist()
+        grown += sum(_with_room(n + tokens) for n in lengths) * layer.entry_bytes()
+    return max(cache.physical_bytes(), grown)
+
+
 def reserved_bytes(model: PreTrainedModel, seq: Sequence) -> int:
-    """KV bytes ``seq`` may hold before it finishes: its cache's physical bytes now, or, if more,
-    every head grown by the tokens it may still generate (with the cache's storage room)."""
+    """KV bytes ``seq`` may hold before it finishes: its cache grown by the tokens it may still
+    generate (:func:`grown_bytes`)."""
     if seq.cache is None:
         raise InputError("reserved_bytes needs a prefilled sequence")
-    remaining = seq.max_tokens - len(seq.generated) + 1  # the pending token enters the cache too
-    grown = 0
-    for layer in seq.cache.layers:
-        lengths = layer.head_lengths()[0] if layer.is_initialized else torch.zeros(1, dtype=torch.long)
-        grown += sum(_with_room(int(n) + remaining) for n in lengths) * layer.entry_bytes()
-    return max(seq.cache.physical_bytes(), grown)
+    return grown_bytes(seq.cache, seq.max_tokens - len(seq.generated) + 1)  # + the pending token
 
 
 def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:

@@ -1,0 +1,388 @@
+"""The model's worker thread: admission under a memory cap, the queue, continuous batching, reuse.
+
+One thread owns the model (docs/architecture.md, "Serving"). Each turn of its loop it drops
+cancelled requests, admits **one** queued request if its prefill fits under the cap (prefill and
+compress it alone, stream its first token), then runs **one** decode step over every active
+sequence (:func:`~kvbudget.serve.batcher.decode_step`) and streams each row's token. A sequence
+leaves the batch between steps when it ends (EOS, a stop string, ``max_tokens``) or is cancelled
+(its client went away).
+
+Memory: every active sequence holds a reservation, the KV bytes it may reach before it ends
+(:func:`~kvbudget.serve.batcher.reserved_bytes`, from its cache's own physical bytes); a queued
+request is admitted only when the reservations, the finished turns kept for follow-ups and its own
+prefill peak (:func:`~kvbudget.serve.batcher.prefill_peak_bytes`) fit under the cap, so the KV the
+process holds never exceeds it. Kept turns are dropped least recently used first when a request
+needs their room. A request that could never fit is refused at submission; when the queue is full,
+:class:`QueueFull` (the HTTP layer's 429).
+
+Follow-ups: a finished sequence's cache is kept as a :class:`~kvbudget.serve.batcher.Turn` keyed by
+its exact token ids; a request whose prompt extends one (same compression) takes that cache over
+and prefills only its new tokens. Nothing of one conversation reaches another: the key is the
+whole token prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvbudget.attention import attach
+from kvbudget.errors import InputError, KVBudgetError
+from kvbudget.methods.base import Method
+from kvbudget.methods.spec import MethodSpec
+from kvbudget.prefill.common import eos_ids
+from kvbudget.serve.batcher import (
+    Compression,
+    Sequence,
+    Turn,
+    decode_step,
+    grown_bytes,
+    make_sequence,
+    prefill_peak_bytes,
+    prefill_sequence,
+    reserved_bytes,
+)
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that may begin a stop string (not streamed until known)."""
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+class QueueFull(KVBudgetError):
+    """The request queue is full (the HTTP layer answers 429 with ``Retry-After``)."""
+
+
+class TooLarge(InputError):
+    """The request could never fit under the server's memory cap."""
+
+
+@dataclass
+class Job:
+    """A submitted request: its sequence, its stop strings, and where its events go.
+
+    ``sink`` receives each event (a dict): ``{"text": delta, "token_ids": [...]}`` per token, then
+    one ``{"finish_reason": ..., "usage": {...}}``, or ``{"error": message}``. It is called from the
+    worker thread (the HTTP layer hands the events to its event loop).
+    """
+
+    seq: Sequence
+    sink: Callable[[dict[str, Any]], None]
+    stop: tuple[str, ...] = ()
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    reuse: Turn | None = None
+    text: str = ""
+    first_token_at: float | None = None
+    reserved: int = 0
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this request (before its next step)."""
+        self.cancelled.set()
+
+
+class Metrics:
+    """What the scheduler reports; the HTTP layer's subclass feeds Prometheus. No-ops here."""
+
+    def ttft(self, seconds: float) -> None: ...
+
+    def tpot(self, seconds: float) -> None: ...
+
+    def tokens(self, count: int) -> None: ...
+
+
+class Scheduler:
+    """Serve requests on ``model`` from one worker thread (:meth:`start`, :meth:`stop`).
+
+    Args:
+        memory_cap: KV bytes the process may hold, all sequences and kept turns together.
+        default: the compression of a request that names none.
+        max_queue: requests waiting at most (more: :class:`QueueFull`).
+        keep_turns: keep finished caches for follow-ups (within the cap).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        memory_cap: int,
+        default: Compression | None = None,
+        max_queue: int = 64,
+        keep_turns: bool = True,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if memory_cap <= 0:
+            raise InputError(f"the memory cap must be positive, got {memory_cap} bytes")
+        if max_queue < 1:
+            raise InputError(f"the queue must hold at least one request, got {max_queue}")
+        self.model, self.tokenizer = model, tokenizer
+        self.memory_cap, self.max_queue, self.keep_turns = memory_cap, max_queue, keep_turns
+        self.default = default or Compression()
+        self.metrics = metrics or Metrics()
+        self.eos = eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self._methods: dict[str, Method] = {}
+        self._queue: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._turns: OrderedDict[tuple[int, ...], tuple[Turn, Compression, int]] = OrderedDict()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.peak_held_bytes = 0
+        self.peak_active = 0
+        attach(model)
+        self.method_for(self.default)  # a bad default fails at start, not at the first request
+
+    # ------------------------------------------------------------------ requests
+    def method_for(self, compression: Compression) -> Method:
+        """The configured method of ``compression`` (one shared, frozen object per spec)."""
+        method = self._methods.get(compression.method)
+        if method is None:
+            method = MethodSpec.parse(compression.method).build()
+            self._methods[compression.method] = method
+        if compression.budget is not None:
+            method.check_budget(compression.budget)
+        return method
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sink: Callable[[dict[str, Any]], None],
+        max_tokens: int = 256,
+        compression: Compression | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: tuple[str, ...] = (),
+    ) -> Job:
+        """Queue a request; one-line errors (before any model work) for a bad or oversized one, and
+        :class:`QueueFull` when the queue is full."""
+        compression = compression or self.default
+        if len(prompt_ids) + max_tokens > self.max_context:
+            raise InputError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
+                f"of {self.max_context} tokens"
+            )
+        method = self.method_for(compression)
+        seq = make_sequence(prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method)
+        job = Job(seq, sink, tuple(stop))
+        with self._lock:
+            need = self._peak(job, self._find_turn(prompt_ids, compression))
+            if need > self.memory_cap:
+                raise TooLarge(
+                    f"the request needs up to {need} bytes of KV cache, more than the server's cap of "
+                    f"{self.memory_cap} bytes: use a smaller prompt, max_tokens or budget"
+                )
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting): retry later")
+            self._queue.append(job)
+            self._lock.notify()
+        return job
+
+    # ------------------------------------------------------------------ state
+    def stats(self) -> dict[str, int]:
+        """Active and queued requests, kept turns, KV bytes held (caches' physical bytes) and
+        reserved, and the cap."""
+        with self._lock:
+            return {
+                "active": len(self._active), "queued": len(self._queue), "kept_turns": len(self._turns),
+                "held_bytes": self.held_bytes(), "reserved_bytes": self._reserved(),
+                "cap_bytes": self.memory_cap,
+            }  # fmt: skip
+
+    def held_bytes(self) -> int:
+        """KV bytes the process holds now: active sequences' caches and kept turns."""
+        active = sum(j.seq.cache.physical_bytes() for j in self._active if j.seq.cache is not None)
+        return active + sum(turn.cache.physical_bytes() for turn, _, _ in self._turns.values())
+
+    def _reserved(self) -> int:
+        return sum(j.reserved for j in self._active) + sum(size for _, _, size in self._turns.values())
+
+    # ------------------------------------------------------------------ the worker
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="kvbudget-serve", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._running and not self._queue and not self._active:
+                    self._lock.wait()
+                if not self._running:
+                    break
+                self._drop_cancelled()
+                job = self._next_admissible()
+            try:
+                if job is not None:
+                    self._prefill(job)
+                if self._active:
+                    self._step()
+            except Exception as exc:  # a failed forward must not take the server down with it
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            for job in [*self._queue, *self._active]:
+                job.sink({"error": "the server is shutting down"})
+            self._queue.clear()
+            self._active.clear()
+
+    def _drop_cancelled(self) -> None:
+        self._queue = deque(j for j in self._queue if not j.cancelled.is_set())
+        kept = []
+        for job in self._active:
+            if job.cancelled.is_set():
+                job.seq.cache = None  # freed now: nothing else refers to it
+            else:
+                kept.append(job)
+        self._active = kept
+
+    def _peak(self, job: Job, turn: Turn | None) -> int:
+        """KV bytes ``job`` may hold at its peak: a kept turn's cache grown by the new tokens and the
+        answer, or a fresh prefill's bound."""
+        if turn is not None:
+            return grown_bytes(turn.cache, len(job.seq.prompt_ids) - len(turn.ids) + job.seq.max_tokens)
+        return prefill_peak_bytes(self.model, job.seq)
+
+    def _next_admissible(self) -> Job | None:
+        """The first queued request if it fits now (dropping kept turns, oldest first, to make room)."""
+        if not self._queue:
+            return None
+        job = self._queue[0]
+        turn = self._find_turn(job.seq.prompt_ids, job.seq.compression)
+        if turn is not None:  # taken over: its bytes move from the store into the job's reservation
+            self._turns.pop(turn.ids)
+        need = self._peak(job, turn)
+        while self._reserved() + need > self.memory_cap and self._turns:
+            self._turns.popitem(last=False)  # least recently used first
+        if self._reserved() + need > self.memory_cap:
+            if turn is not None:
+                self._keep(turn, job.seq.compression)
+            return None
+        self._queue.popleft()
+        job.reuse = turn
+        job.reserved = need  # until the prefill is done and the reservation is measured
+        self._active.append(job)
+        return job
+
+    def _prefill(self, job: Job) -> None:
+        seq = job.seq
+        try:
+            token = prefill_sequence(self.model, seq, self.pad_id, job.reuse)
+        except KVBudgetError as exc:
+            with self._lock:
+                self._active.remove(job)
+            job.sink({"error": str(exc)})
+            return
+        job.first_token_at = time.perf_counter()
+        self.metrics.ttft(job.first_token_at - job.submitted)
+        with self._lock:
+            job.reserved = reserved_bytes(self.model, seq)
+        self._emit(job, [token])
+        self._account()
+
+    def _step(self) -> None:
+        with self._lock:
+            jobs = [j for j in self._active if not j.seq.finished]
+        if not jobs:
+            return
+        start = time.perf_counter()
+        tokens = decode_step(self.model, [j.seq for j in jobs])
+        elapsed = time.perf_counter() - start
+        self.metrics.tpot(elapsed)
+        self.metrics.tokens(len(jobs))
+        for job, token in zip(jobs, tokens, strict=True):
+            self._emit(job, [token])
+        self._account()
+
+    def _emit(self, job: Job, tokens: list[int]) -> None:
+        """Stream ``tokens``' text (a stop string ends the answer before it); finish ``job`` if done."""
+        seq = job.seq
+        ids = seq.generated[:-1] if seq.generated and seq.generated[-1] in seq.eos else seq.generated
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        reason = None
+        for stop in job.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text, reason = text[:at], "stop"
+        shown = text
+        if reason is None and not seq.finished:
+            shown = text[: len(text) - _held_back(text, job.stop)]
+            if shown.endswith("\ufffd"):
+                return  # half a character: wait for the rest of its bytes
+        delta = shown[len(job.text) :]
+        job.text = shown
+        if delta:
+            job.sink({"text": delta, "token_ids": tokens})
+        if reason is None and seq.finished:
+            reason = "stop" if seq.generated[-1] in seq.eos else "length"
+        if reason is not None:
+            self._finish(job, reason)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        seq = job.seq
+        cache = seq.cache
+        comp = seq.compression
+        kept = (
+            sum(int(layer.head_lengths().sum()) for layer in cache.layers if layer.is_initialized)
+            if cache
+            else 0
+        )
+        usage = {
+            "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(seq.generated),
+            "total_tokens": len(seq.prompt_ids) + len(seq.generated),
+            "kvbudget": {
+                "method": comp.method, "budget": comp.budget, "ratio": comp.ratio,
+                "reused_tokens": seq.reused_tokens, "kept_entries": kept,
+                "kv_bytes": cache.physical_bytes() if cache else 0,
+            },
+        }  # fmt: skip
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)
+            if self.keep_turns and cache is not None and not job.cancelled.is_set():
+                self._keep(seq.turn(), seq.compression)
+        job.sink({"finish_reason": reason, "usage": usage})
+
+    def _find_turn(self, prompt_ids: list[int], compression: Compression) -> Turn | None:
+        """The longest kept turn the prompt extends, kept under the same compression."""
+        best: Turn | None = None
+        for turn, comp, _ in self._turns.values():
+            if (
+                comp == compression
+                and turn.continues(prompt_ids)
+                and (best is None or len(turn.ids) > len(best.ids))
+            ):
+                best = turn
+        return best
+
+    def _keep(self, turn: Turn, compression: Compression) -> None:
+        self._turns[turn.ids] = (turn, compression, turn.cache.physical_bytes())
+
+    def _account(self) -> None:
+        with self._lock:
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
+            self.peak_active = max(self.peak_active, len(self._active))
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            jobs, self._active = self._active, []
+        for job in jobs:
+            job.sink({"error": message})

@@ -1,0 +1,281 @@
+"""``kvbudget serve`` with OpenAI's own client against a live server on 127.0.0.1 (a free port, a
+tiny random model): chat and completions, streaming, per-request compression, concurrent requests
+equal to ``kvbudget.generate`` alone, the memory cap and the queue, follow-up reuse, disconnects,
+bad requests, the API key and the metrics. Every server here stops itself."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvbudget
+from conftest import tiny_model, tiny_tokenizer
+from kvbudget.methods.spec import MethodSpec
+from kvbudget.serve.app import create_app
+from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
+from kvbudget.serve.scheduler import Scheduler
+
+NAME = "tiny"
+HI = [{"role": "user", "content": "hi"}]
+CONTEXT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 2
+#: (method spec, budget, ratio) of four concurrent requests
+MIXED = [
+    ("snapkv:window=8", 24, None),
+    ("full", None, None),
+    ("h2o", 32, None),
+    ("ada-snapkv:window=8", None, 0.5),
+]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    model = tiny_model("llama")
+    tokenizer = tiny_tokenizer(chat_template=True)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def live(scheduler: Scheduler, api_key: str | None = None) -> Iterator[str]:
+    """Serve ``scheduler`` on a free port of 127.0.0.1; yields the base URL; stops the server."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(scheduler, NAME, None, api_key), log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def client(base: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(c: openai.OpenAI, text: str, max_tokens: int = 12, **extra):
+    return c.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, **extra
+    )
+
+
+def alone(model, tokenizer, text: str, spec: str, budget, ratio, max_tokens: int) -> str:
+    sizes = {"budget": budget, "ratio": ratio} if spec != "full" else {}
+    method = MethodSpec.parse(spec).build()
+    return kvbudget.generate(model, tokenizer, text, method=method, max_new_tokens=max_tokens, **sizes).text
+
+
+@pytest.fixture(scope="module")
+def server(model_and_tokenizer) -> Iterator[tuple[str, Scheduler]]:
+    model, tokenizer = model_and_tokenizer
+    scheduler = Scheduler(model, tokenizer, memory_cap=64 << 20, default=Compression("snapkv:window=8", 24))
+    with live(scheduler) as base:
+        yield base, scheduler
+
+
+def test_chat_and_completions_answer_with_openai_shapes(server, model_and_tokenizer) -> None:
+    base, _ = server
+    model, tokenizer = model_and_tokenizer
+    c = client(base)
+    answer = chat(c, CONTEXT)
+    assert answer.object == "chat.completion" and answer.model == NAME
+    assert answer.choices[0].message.content == alone(
+        model, tokenizer, CONTEXT, "snapkv:window=8", 24, None, 12
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    usage = answer.usage
+    assert (
+        usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens >= 1
+    )
+    extra = usage.model_extra["kvbudget"]
+    assert extra["method"] == "snapkv:window=8" and 0 < extra["kept_entries"] and extra["kv_bytes"] > 0
+    completion = c.completions.create(model=NAME, prompt=CONTEXT, max_tokens=5)
+    assert completion.object == "text_completion" and completion.usage.completion_tokens <= 5
+    assert [m.id for m in c.models.list().data] == [NAME]
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
+def test_streaming_gives_the_same_answer_in_chunks(server) -> None:
+    base, _ = server
+    c = client(base)
+    whole = chat(c, CONTEXT, 10).choices[0].message.content
+    chunks = list(chat(c, CONTEXT, 10, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_four_concurrent_requests_with_their_own_methods_equal_generate_alone(
+    server, model_and_tokenizer
+) -> None:
+    base, scheduler = server
+    model, tokenizer = model_and_tokenizer
+    texts = [CONTEXT[i:] + f" question {i}?" for i in range(len(MIXED))]
+    expected = [alone(model, tokenizer, t, s, b, r, 16) for t, (s, b, r) in zip(texts, MIXED, strict=True)]
+    scheduler.peak_active = 0
+    got: dict[int, tuple[str, str]] = {}
+
+    def ask(i: int) -> None:
+        spec, budget, ratio = MIXED[i]
+        body = {
+            "method": spec,
+            **({"budget": budget} if budget else {}),
+            **({"ratio": ratio} if ratio else {}),
+        }
+        answer = chat(client(base), texts[i], 16, extra_body={"kvbudget": body})
+        got[i] = (answer.choices[0].message.content, answer.usage.model_extra["kvbudget"]["method"])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(MIXED))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i][0] for i in range(len(MIXED))] == expected
+    assert [got[i][1] for i in range(len(MIXED))] == [m for m, _, _ in MIXED]
+    assert scheduler.peak_active >= 2  # they were decoded together
+
+
+def test_the_cap_is_never_exceeded_requests_queue_and_a_full_queue_gets_429(model_and_tokenizer) -> None:
+    model, tokenizer = model_and_tokenizer
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": CONTEXT}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    comp = Compression("full")
+    one = prefill_peak_bytes(
+        model, make_sequence(ids, 40, {1}, comp, method=MethodSpec.parse("full").build())
+    )
+    scheduler = Scheduler(
+        model, tokenizer, memory_cap=int(one * 1.5), default=comp, max_queue=1, keep_turns=False
+    )
+    with live(scheduler) as base:
+        results: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            try:
+                results[i] = chat(client(base), CONTEXT, 40).usage.completion_tokens
+            except openai.RateLimitError as exc:
+                results[i] = exc
+
+        first = threading.Thread(target=ask, args=(0,))
+        first.start()
+        while scheduler.stats()["active"] == 0:
+            time.sleep(0.01)
+        second = threading.Thread(target=ask, args=(1,))
+        second.start()
+        while scheduler.stats()["queued"] == 0 and 1 not in results:
+            time.sleep(0.01)
+        ask(2)  # the queue (one place) is taken: refused at once
+        first.join(120)
+        second.join(120)
+    assert isinstance(results[2], openai.RateLimitError)
+    assert results[2].response.headers["retry-after"] == "1"
+    assert "queue is full" in results[2].message
+    assert isinstance(results[0], int) and isinstance(results[1], int)  # queued, then served
+    assert scheduler.peak_active == 1 and 0 < scheduler.peak_held_bytes <= scheduler.memory_cap
+
+
+def test_a_follow_up_reuses_its_conversation_cache(server) -> None:
+    base, scheduler = server
+    c = client(base)
+    question = [{"role": "user", "content": CONTEXT + " first?"}]
+    first = c.chat.completions.create(model=NAME, messages=question, max_tokens=8)
+    follow = [*question, {"role": "assistant", "content": first.choices[0].message.content},
+              {"role": "user", "content": "and then?"}]  # fmt: skip
+    second = c.chat.completions.create(model=NAME, messages=follow, max_tokens=8)
+    reused = second.usage.model_extra["kvbudget"]["reused_tokens"]
+    assert reused >= first.usage.prompt_tokens
+    other = c.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "unrelated"}], max_tokens=4
+    )
+    assert other.usage.model_extra["kvbudget"]["reused_tokens"] == 0  # no prefix of another conversation
+
+
+def test_a_client_that_disconnects_frees_its_cache(server) -> None:
+    base, scheduler = server
+    scheduler.keep_turns = False
+    try:
+        before = scheduler.stats()["held_bytes"]
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": CONTEXT}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            assert scheduler.stats()["active"] == 1
+        deadline = time.monotonic() + 30
+        while scheduler.stats()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.stats()["active"] == 0 and scheduler.stats()["held_bytes"] == before
+    finally:
+        scheduler.keep_turns = True
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": "gpt-9", "messages": HI}, 404, "does not exist"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x" * 1100}]}, 400, "model's context"),
+        ({"model": NAME, "messages": HI, "kvbudget": {"method": "nope"}}, 400, "unknown method"),
+        ({"model": NAME, "messages": HI, "kvbudget": {"budget": 0}}, 400, "positive integer"),
+        ({"model": NAME, "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": NAME, "messages": []}, 400, "messages"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_a_4xx_with_one_line_while_others_are_served(server, body, status, words) -> None:
+    base, _ = server
+    good: dict[str, str] = {}
+    thread = threading.Thread(
+        target=lambda: good.update(text=chat(client(base), CONTEXT, 6).choices[0].message.content)
+    )
+    thread.start()
+    raw = {"content": body, "headers": {"content-type": "application/json"}}
+    kwargs = raw if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(base + "/v1/chat/completions", timeout=60, **kwargs)
+    thread.join(120)
+    assert response.status_code == status
+    message = response.json()["error"]["message"]
+    assert words in message and "\n" not in message
+    assert good["text"] is not None  # the concurrent good request completed
+
+
+def test_a_wrong_or_missing_key_gets_401(model_and_tokenizer) -> None:
+    model, tokenizer = model_and_tokenizer
+    scheduler = Scheduler(model, tokenizer, memory_cap=16 << 20, default=Compression("full"))
+    with live(scheduler, api_key="sesame") as base:
+        with pytest.raises(openai.AuthenticationError):
+            chat(client(base, "wrong"), "hi", 2)
+        assert httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "hi"}).status_code == 401
+        assert httpx.get(base + "/metrics").status_code == 401
+        assert chat(client(base, "sesame"), "hi", 2).usage.completion_tokens >= 1
+
+
+def test_metrics_parse_as_prometheus_text(server) -> None:
+    base, scheduler = server
+    chat(client(base), CONTEXT, 3)
+    text = httpx.get(base + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["kvbudget_kv_bytes_cap"].samples[0].value == scheduler.memory_cap
+    for name in ("kvbudget_active_sequences", "kvbudget_queued_requests", "kvbudget_kv_bytes_held"):
+        assert name in families

@@ -5,8 +5,6 @@ bad requests, the API key and the metrics. Every server here stops itself."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,13 +12,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvbudget
 from conftest import tiny_model, tiny_tokenizer
 from kvbudget.methods.spec import MethodSpec
-from kvbudget.serve.app import create_app
+from kvbudget.serve.app import create_app, serving
 from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
 from kvbudget.serve.scheduler import Scheduler
 
@@ -43,26 +40,9 @@ def model_and_tokenizer():
     return model, tokenizer
 
 
-@contextlib.contextmanager
-def live(scheduler: Scheduler, api_key: str | None = None) -> Iterator[str]:
-    """Serve ``scheduler`` on a free port of 127.0.0.1; yields the base URL; stops the server."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(scheduler, NAME, None, api_key), log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+def live(scheduler: Scheduler, api_key: str | None = None):
+    """Serve ``scheduler`` on a free port of 127.0.0.1 (a context manager yielding the base URL)."""
+    return serving(create_app(scheduler, NAME, None, api_key))
 
 
 def client(base: str, key: str = "none") -> openai.OpenAI:

@@ -608,9 +608,9 @@ def serve(
     from kvbudget.serve.app import create_app, prometheus_metrics
     from kvbudget.serve.batcher import Compression
     from kvbudget.serve.scheduler import Scheduler
-    from kvbudget.units import format_bytes, parse_bytes
+    from kvbudget.units import format_bytes, parse_size
 
-    cap = parse_bytes(memory_cap)
+    cap = parse_size(memory_cap)
     if budget is not None and budget <= 0:
         raise BudgetError(f"--budget must be a positive integer (entries per KV head), got {budget}")
     if ratio is not None and not 0.0 < ratio <= 1.0:
@@ -827,6 +827,55 @@ def _check_peer(config: Any, out: Path) -> None:
         raise KVBudgetError(f"no kvpress environment at {config.peer_python}: run `make peer` first")
     check.model_source(config.model)
     check.output_dir(out, "--out")
+
+
+@bench_app.command("serve")
+@user_errors
+@needs_extra("eval", "kvbudget bench serve")
+def bench_serve(
+    model: Annotated[
+        str, typer.Option(help="Model (registry name or local HF directory).")
+    ] = "qwen2.5-coder-0.5b",
+    methods: Annotated[
+        list[str] | None, typer.Option(help="Methods (comma-separated); `full` is the uncompressed baseline.")
+    ] = None,
+    ratio: Annotated[
+        float,
+        typer.Option(help="Compression ratio of the compressed methods (kvpress's: the fraction removed)."),
+    ] = 0.875,
+    memory_cap: Annotated[
+        str | None, typer.Option(help="KV cap, e.g. 2GiB (default: what two full-cache conversations need).")
+    ] = None,
+    task: Annotated[str, typer.Option(help="Evaluation task whose samples are the prompts.")] = "needle",
+    length: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 8192,
+    clients: Annotated[int, typer.Option(help="Concurrent clients.")] = 10,
+    requests: Annotated[int, typer.Option(help="Requests per method.")] = 10,
+    max_tokens: Annotated[int | None, typer.Option(help="Tokens per answer (default: the task's).")] = None,
+    time_limit: Annotated[float, typer.Option(help="Seconds per method at most.")] = 1800.0,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
+    out: Annotated[Path, typer.Option(help="Output directory (serve.json, serve.md).")] = Path("runs/serve"),
+) -> None:
+    """Load `kvbudget serve` with concurrent clients: sequences held at once, tokens/s, TTFT/TPOT and
+    accuracy, full cache vs compressed methods under one KV cap (docs/serving.md)."""
+    with needs_extra("serve", "kvbudget bench serve"):
+        from kvbudget.bench.serve_load import ServeBenchConfig, run_serve_bench
+    from kvbudget.units import parse_size
+
+    check.at_least(clients, 1, "--clients")
+    check.at_least(requests, 1, "--requests")
+    check.at_least(length, 64, "--length")
+    if max_tokens is not None:
+        check.at_least(max_tokens, 1, "--max-tokens")
+    check.model_source(model)
+    check.output_dir(out, "--out")
+    config = ServeBenchConfig(
+        model=model, dtype=check.dtype(dtype), task=task, length=length,
+        methods=_split(methods) or ["full", "snapkv", "ada-snapkv"], ratio=ratio,
+        cap_bytes=parse_size(memory_cap) if memory_cap else None, clients=clients, requests=requests,
+        max_tokens=max_tokens, time_limit_s=time_limit,
+    )  # fmt: skip
+    report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
+    console.print(report.read_text())
 
 
 @bench_app.command("throughput")

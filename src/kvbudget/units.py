@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from kvbudget.errors import KVBudgetError
+
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in B, KiB, MiB or GiB (binary units), e.g. ``"1.5 MiB"``; whole bytes below 1 KiB."""
@@ -14,25 +16,23 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-#: multipliers of the size suffixes :func:`parse_bytes` takes (binary and decimal)
-_SIZE_UNITS = {
-    "": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "k": 1024, "m": 1024**2, "g": 1024**3,
-}  # fmt: skip
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "tb": 1000**4}  # fmt: skip
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1000000"`` as bytes; :class:`InputError` (one line)
-    for anything else or a size ≤ 0."""
-    from kvbudget.errors import InputError
+def parse_size(text: str) -> int:
+    """``"2GiB"`` → ``2147483648``; ``"500MB"`` → ``500000000``; a bare number is bytes.
 
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise InputError(
-            f"a memory size is a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), got {text!r}"
+    Raises :class:`KVBudgetError` for anything else, or a size that is not positive.
+    """
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise KVBudgetError(
+            f"--memory-cap expects a size such as 2GiB, 512MiB or 1500000000 (bytes), got {text!r}"
         )
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise InputError(f"a memory size must be positive, got {text!r}")
+        raise KVBudgetError(f"--memory-cap must be positive, got {text!r}")
     return size

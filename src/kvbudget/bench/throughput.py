@@ -38,7 +38,6 @@ from __future__ import annotations
 import gc
 import math
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -48,31 +47,11 @@ from typing import Any
 import torch
 
 from kvbudget.errors import BudgetError, InputError, KVBudgetError
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "tb": 1000**4}  # fmt: skip
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+from kvbudget.units import parse_size as parse_size  # the CLI and tests read it here
 
 CAP_ON = ("run", "decode")
 #: a run's memory figures (bytes); None in a run that ran out of device memory
 PEAKS = ("prefill_peak_bytes", "decode_peak_bytes", "run_peak_bytes")
-
-
-def parse_size(text: str) -> int:
-    """``"2GiB"`` → ``2147483648``; ``"500MB"`` → ``500000000``; a bare number is bytes.
-
-    Raises :class:`KVBudgetError` for anything else, or a size that is not positive.
-    """
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise KVBudgetError(
-            f"--memory-cap expects a size such as 2GiB, 512MiB or 1500000000 (bytes), got {text!r}"
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise KVBudgetError(f"--memory-cap must be positive, got {text!r}")
-    return size
 
 
 @dataclass

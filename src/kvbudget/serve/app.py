@@ -17,7 +17,10 @@ import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from kvbudget.errors import InputError, KVBudgetError
@@ -232,3 +235,29 @@ def create_app(
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
+
+
+@contextlib.contextmanager
+def serving(app: Any, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0) -> Iterator[str]:
+    """Run ``app`` with uvicorn on a background thread (``port=0``: a free one); yields the base URL
+    (``http://host:port``) once it accepts connections, and stops the server on exit. For benchmarks
+    and tests; ``kvbudget serve`` runs uvicorn in the foreground."""
+    with needs_extra("serve", "serving an app"):
+        import uvicorn
+    sock = socket.socket()
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise KVBudgetError(f"the server did not start within {start_timeout:.0f} s")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()

@@ -1,0 +1,235 @@
+"""``kvbudget bench serve``: a bounded local load on ``kvbudget serve``, full cache vs compressed
+methods under the same KV memory cap.
+
+For each method a server runs in this process (a :class:`~kvbudget.serve.scheduler.Scheduler` behind
+the real HTTP app on a free port of 127.0.0.1) and ``clients`` threads send the task's prompts
+(the evaluation task's own samples, with known answers: the needle at 8K tokens by default) as
+streamed ``/v1/completions`` requests of token ids — the leaderboard's prompts, chat template and
+answer prefix included — until ``requests`` are answered or ``time_limit_s`` passes. Reported per
+method: sequences held at once (the scheduler's peak), peak KV bytes held against the cap, the
+aggregate decode rate (tokens of all sequences per second of the run, and per second of decode
+steps), TTFT and TPOT p50/p99 as the clients saw them, and accuracy on the answers.
+
+The cap defaults to what two full-cache conversations of the prompt length need
+(:func:`~kvbudget.serve.batcher.prefill_peak_bytes` of the full cache), so the full cache holds two
+at once and a compressed method as many as fit.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from kvbudget.engine import build_prompt
+from kvbudget.errors import InputError
+from kvbudget.eval.tasks import get_task
+from kvbudget.serve.app import create_app, prometheus_metrics, serving
+from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
+from kvbudget.serve.scheduler import Metrics, Scheduler
+from kvbudget.units import format_bytes
+
+
+@dataclass
+class ServeBenchConfig:
+    """One ``bench serve`` run: ``methods`` (specs; ``full`` the baseline) at ``ratio`` (kvpress's
+    compression ratio: the fraction of the prompt removed) under ``cap_bytes`` (``None``: two full
+    conversations), ``clients`` concurrent clients, ``requests`` prompts per method."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    task: str = "needle"
+    length: int = 8192
+    methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "ada-snapkv"])
+    ratio: float = 0.875
+    cap_bytes: int | None = None
+    clients: int = 10
+    requests: int = 10
+    max_tokens: int | None = None
+    time_limit_s: float = 1800.0
+    seed: int = 0
+
+
+class _Counting(Metrics):
+    """Decode steps' tokens and seconds (the decode rate), beside Prometheus."""
+
+    def __init__(self, inner: Metrics) -> None:
+        self.inner, self.step_tokens, self.step_seconds = inner, 0, 0.0
+
+    def ttft(self, seconds: float) -> None:
+        self.inner.ttft(seconds)
+
+    def tpot(self, seconds: float) -> None:
+        self.step_seconds += seconds
+        self.inner.tpot(seconds)
+
+    def tokens(self, count: int) -> None:
+        self.step_tokens += count
+        self.inner.tokens(count)
+
+
+def _stream(base: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one streamed completion; returns its text, TTFT, TPOT and usage (or its error)."""
+    url = urlparse(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        error = json.loads(response.read() or b"{}").get("error", {}).get("message", "")
+        conn.close()
+        return {"error": f"HTTP {response.status}: {error}"}
+    text, first, last, usage, chunks = [], None, None, {}, 0
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            conn.close()
+            return {"error": event["error"]["message"]}
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            if choice.get("text"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last, chunks = now, chunks + 1
+                text.append(choice["text"])
+    conn.close()
+    tokens = usage.get("completion_tokens", chunks)
+    tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
+    return {"text": "".join(text), "ttft_s": None if first is None else first - start, "tpot_s": tpot,
+            "usage": usage}  # fmt: skip
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def run_one(
+    model, tokenizer, config: ServeBenchConfig, method: str, cap: int, samples: list, task
+) -> dict[str, Any]:
+    """One method under the cap: its scheduler and server, the clients, the row."""
+    compression = Compression("full") if method == "full" else Compression(method, ratio=1.0 - config.ratio)
+    registry, prometheus = prometheus_metrics()
+    counting = _Counting(prometheus)
+    scheduler = Scheduler(model, tokenizer, cap, compression, max_queue=max(64, config.requests),
+                          keep_turns=False, metrics=counting)  # fmt: skip
+    pending = list(range(len(samples)))
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + config.time_limit_s
+
+    def client(base: str) -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                if not pending:
+                    return
+                i = pending.pop(0)
+            sample = samples[i]
+            prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+            max_tokens = config.max_tokens or sample.max_new_tokens
+            body = {"model": "bench", "prompt": prompt.ids, "max_tokens": max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            out = _stream(base, body, timeout=max(60.0, deadline - time.monotonic()))
+            if "text" in out:
+                out["score"] = float(task.metric(out["text"], sample.answers))
+            with lock:
+                results.append({"sample": i, **out})
+
+    start = time.perf_counter()
+    with serving(create_app(scheduler, "bench", registry)) as base:
+        threads = [threading.Thread(target=client, args=(base,)) for _ in range(config.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    wall = time.perf_counter() - start
+    done = [r for r in results if "text" in r]
+    tokens = sum(r["usage"].get("completion_tokens", 0) for r in done)
+    ttft = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in done if r["tpot_s"] is not None]
+    return {
+        "method": method, "compression": compression.label(), "cap_bytes": cap,
+        "answered": len(done), "errors": [r["error"] for r in results if "error" in r][:5],
+        "held_at_once": scheduler.peak_active, "peak_kv_bytes": scheduler.peak_held_bytes,
+        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+        "decode_tokens_per_s": counting.step_tokens / max(counting.step_seconds, 1e-9),
+        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+        "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
+        "accuracy": statistics.fmean(r["score"] for r in done) if done else None,
+    }  # fmt: skip
+
+
+def default_cap(model, tokenizer, config: ServeBenchConfig, samples: list) -> int:
+    """KV bytes two full-cache conversations of the longest prompt need at their peak."""
+    longest = max(
+        samples, key=lambda s: len(build_prompt(tokenizer, s.context, s.question, s.answer_prefix).ids)
+    )
+    ids = build_prompt(tokenizer, longest.context, longest.question, longest.answer_prefix).ids
+    seq = make_sequence(ids, config.max_tokens or longest.max_new_tokens, {0}, Compression("full"))
+    return 2 * prefill_peak_bytes(model, seq)
+
+
+def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=None, progress=print) -> Path:
+    """Run every method of ``config``; writes ``out/serve.json`` and ``out/serve.md``."""
+    if not 0.0 <= config.ratio < 1.0:
+        raise InputError(f"--ratio is kvpress's compression ratio, in [0, 1), got {config.ratio}")
+    if config.clients < 1 or config.requests < 1:
+        raise InputError("--clients and --requests must be ≥ 1")
+    task = get_task(config.task)
+    if model is None:
+        from kvbudget.models import load_model
+
+        model, tokenizer = load_model(config.model, dtype=config.dtype)
+    samples = list(task.make_samples(tokenizer, config.length, config.requests, config.seed))
+    cap = config.cap_bytes or default_cap(model, tokenizer, config, samples)
+    rows = []
+    for method in config.methods:
+        progress(f"bench serve: {method} under a cap of {format_bytes(cap)} ({config.requests} requests, "
+                 f"{config.clients} clients)")  # fmt: skip
+        rows.append(run_one(model, tokenizer, config, method, cap, samples, task))
+        progress(f"  held {rows[-1]['held_at_once']} at once, {rows[-1]['tokens_per_s']:.2f} tok/s")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(
+        json.dumps({"config": asdict(config), "cap_bytes": cap, "rows": rows}, indent=1)
+    )
+    (out / "serve.md").write_text(markdown(config, cap, rows))
+    return out / "serve.md"
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def markdown(config: ServeBenchConfig, cap: int, rows: list[dict[str, Any]]) -> str:
+    """The table ``docs/serving.md`` shows."""
+    lines = [
+        f"`kvbudget bench serve`: {config.model} ({config.dtype}), {config.task} at {config.length} tokens, "
+        f"{config.clients} clients, {config.requests} requests per method, KV cap {format_bytes(cap)}, "
+        f"compressed methods at kvpress ratio {config.ratio}.",
+        "",
+        "| method | held at once | peak KV | tok/s (run) | tok/s (decode steps) | TTFT p50 / p99 | "
+        "TPOT p50 / p99 | accuracy | answered |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['compression']} | {r['held_at_once']} | {format_bytes(r['peak_kv_bytes'])} | "
+            f"{_f(r['tokens_per_s'], '.2f')} | {_f(r['decode_tokens_per_s'], '.2f')} | "
+            f"{_f(r['ttft_p50_s'], '.1f')} / {_f(r['ttft_p99_s'], '.1f')} s | "
+            f"{_f(r['tpot_p50_s'] and r['tpot_p50_s'] * 1000, '.0f')} / "
+            f"{_f(r['tpot_p99_s'] and r['tpot_p99_s'] * 1000, '.0f')} ms | "
+            f"{_f(r['accuracy'] and r['accuracy'] * 100, '.0f')}% | {r['answered']} |"
+        )
+    return "\n".join(lines) + "\n"

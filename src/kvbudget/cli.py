@@ -851,6 +851,9 @@ def bench_serve(
     clients: Annotated[int, typer.Option(help="Concurrent clients.")] = 10,
     requests: Annotated[int, typer.Option(help="Requests per method.")] = 10,
     max_tokens: Annotated[int | None, typer.Option(help="Tokens per answer (default: the task's).")] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option(help="Decode --max-tokens whatever is sampled (sequences stay for the whole run).")
+    ] = False,
     time_limit: Annotated[float, typer.Option(help="Seconds per method at most.")] = 1800.0,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
     out: Annotated[Path, typer.Option(help="Output directory (serve.json, serve.md).")] = Path("runs/serve"),
@@ -872,7 +875,7 @@ def bench_serve(
         model=model, dtype=check.dtype(dtype), task=task, length=length,
         methods=_split(methods) or ["full", "snapkv", "ada-snapkv"], ratio=ratio,
         cap_bytes=parse_size(memory_cap) if memory_cap else None, clients=clients, requests=requests,
-        max_tokens=max_tokens, time_limit_s=time_limit,
+        max_tokens=max_tokens, ignore_eos=ignore_eos, time_limit_s=time_limit,
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())

@@ -52,6 +52,7 @@ class ServeBenchConfig:
     clients: int = 10
     requests: int = 10
     max_tokens: int | None = None
+    ignore_eos: bool = False
     time_limit_s: float = 1800.0
     seed: int = 0
 
@@ -140,7 +141,8 @@ def run_one(
             prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             max_tokens = config.max_tokens or sample.max_new_tokens
             body = {"model": "bench", "prompt": prompt.ids, "max_tokens": max_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+                    "stream_options": {"include_usage": True},
+                    "kvbudget": {"ignore_eos": config.ignore_eos}}  # fmt: skip
             out = _stream(base, body, timeout=max(60.0, deadline - time.monotonic()))
             if "text" in out:
                 out["score"] = float(task.metric(out["text"], sample.answers))

@@ -139,6 +139,7 @@ def create_app(
             job = scheduler.submit(
                 parsed.prompt_ids, sink, max_tokens=parsed.max_tokens, compression=parsed.compression,
                 temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed, stop=parsed.stop,
+                ignore_eos=parsed.ignore_eos,
             )  # fmt: skip
         except QueueFull as exc:
             raise APIError(429, str(exc), None, "queue_full", "rate_limit_error") from None

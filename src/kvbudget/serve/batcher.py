@@ -64,6 +64,7 @@ class Sequence:
         pending: the sampled token not yet in the cache (fed by the next step).
         generated: every sampled token, ``pending`` included.
         reused_tokens: prompt tokens served from an earlier turn's cache.
+        ignore_eos: decode ``max_tokens`` whatever is sampled (a benchmarking aid, as vLLM's).
     """
 
     prompt_ids: list[int]
@@ -81,12 +82,13 @@ class Sequence:
     pending: int | None = None
     generated: list[int] = field(default_factory=list)
     reused_tokens: int = 0
+    ignore_eos: bool = False
     generator: torch.Generator | None = None
 
     @property
     def finished(self) -> bool:
         """EOS sampled or ``max_tokens`` reached."""
-        done = bool(self.generated) and self.generated[-1] in self.eos
+        done = bool(self.generated) and self.generated[-1] in self.eos and not self.ignore_eos
         return done or len(self.generated) >= self.max_tokens
 
     @property
@@ -125,6 +127,7 @@ def make_sequence(
     top_p: float = 1.0,
     seed: int = 0,
     method: Method | None = None,
+    ignore_eos: bool = False,
 ) -> Sequence:
     """A :class:`Sequence`, its method built from ``compression`` unless given (methods are frozen
     configurations: the scheduler shares one object between all requests with the same spec)."""
@@ -135,7 +138,7 @@ def make_sequence(
     method = method if method is not None else MethodSpec.parse(compression.method).build()
     return Sequence(
         prompt_ids=list(prompt_ids), max_tokens=max_tokens, eos=frozenset(eos), compression=compression,
-        method=method, temperature=temperature, top_p=top_p, seed=seed,
+        method=method, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
 
 

@@ -5,7 +5,8 @@ Supported: ``/v1/chat/completions`` (``messages``) and ``/v1/completions`` (``pr
 token ids), with ``model``, ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``stream`` and ``stream_options.include_usage``; ``n`` must be 1.
 kvbudget's own field, ``kvbudget: {"method": ..., "budget": ... | "ratio": ...}`` (an OpenAI
-client's ``extra_body``), sets the request's compression; the server's flags are the default.
+client's ``extra_body``), sets the request's compression; the server's flags are the default. Its
+``ignore_eos: true`` decodes ``max_tokens`` whatever is sampled (for benchmarks, as vLLM's).
 Every problem is an :class:`APIError` with the HTTP status and one line naming it.
 """
 
@@ -61,6 +62,7 @@ class Request:
     stream: bool
     include_usage: bool
     compression: Compression
+    ignore_eos: bool = False
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -103,10 +105,11 @@ def parse_compression(body: dict, default: Compression) -> Compression:
         raise APIError(
             400, 'kvbudget must be an object such as {"method": "snapkv", "ratio": 0.2}', "kvbudget"
         )
-    unknown = sorted(set(spec) - {"method", "budget", "ratio"})
+    unknown = sorted(set(spec) - {"method", "budget", "ratio", "ignore_eos"})
     if unknown:
+        expected = "method, budget, ratio, ignore_eos"
         raise APIError(
-            400, f"unknown kvbudget field(s) {', '.join(unknown)}: expected method, budget, ratio", "kvbudget"
+            400, f"unknown kvbudget field(s) {', '.join(unknown)}: expected {expected}", "kvbudget"
         )
     method = spec.get("method", default.method)
     if not isinstance(method, str) or not method:
@@ -205,12 +208,17 @@ def parse_request(
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     ids = _chat_ids(body, tokenizer) if endpoint == "chat" else _completion_ids(body, tokenizer)
+    extension = body.get("kvbudget") if isinstance(body.get("kvbudget"), dict) else {}
+    ignore_eos = extension.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, "kvbudget.ignore_eos must be true or false", "kvbudget.ignore_eos")
     return Request(
         endpoint=endpoint, prompt_ids=ids, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         seed=_integer(body, "seed", 0), stop=_stop(body), stream=stream,
         include_usage=bool(options.get("include_usage", False)), compression=parse_compression(body, default),
+        ignore_eos=ignore_eos,
     )  # fmt: skip
 
 

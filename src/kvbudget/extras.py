@@ -3,7 +3,8 @@
 ``pip install kvbudget`` installs what compressing a cache needs (torch, transformers, the GGUF
 loader, the CLI). The evaluation harness (:mod:`kvbudget.eval`, :mod:`kvbudget.tuning`,
 :mod:`kvbudget.demo`) and the benchmarks (:mod:`kvbudget.bench`) need ``kvbudget[eval]``; distributed
-runs need ``kvbudget[ray]``; the server's HTTP side (:mod:`kvbudget.serve.app`) ``kvbudget[serve]``.
+runs and the server's Ray Serve deployment (:mod:`kvbudget.serve.ray_deployment`) need
+``kvbudget[ray]``; the server's HTTP side (:mod:`kvbudget.serve.app`) ``kvbudget[serve]``.
 Code outside those modules imports them, and the extras' packages, only inside :func:`needs_extra`,
 which checks the extra up front and turns its absence into one line::
 

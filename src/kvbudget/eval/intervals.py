@@ -13,6 +13,14 @@ then averages the task means. Tasks are fixed; only the samples vary.
 
 Both are seeded (a :class:`numpy.random.Generator` from ``seed``): the same inputs give the same
 interval. All-equal values give a zero-width interval; one sample gives its own value as both bounds.
+
+:func:`bootstrap_p_value_over_groups` — the two-sided p-value of "the mean over groups is 0" from the
+same resamples (same seed, same draws) as :func:`bootstrap_mean_over_groups`'s interval: the test that
+the percentile interval inverts (Efron & Tibshirani 1993, §15.4; Davison & Hinkley, *Bootstrap
+Methods and their Application*, 1997, §4.4). With ``c`` the number of resampled means on the side of
+0 where fewer fall (a mean within ``1e-12`` of 0 counts on both sides), ``p = min(1, 2 (c + 1) /
+(resamples + 1))``: never 0 (the smallest is ``2 / (resamples + 1)``), and below ``1 − level``
+exactly where the interval at ``level`` excludes 0, up to one resample at the boundary.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ DEFAULT_RESAMPLES = 2000
 DEFAULT_LEVEL = 0.95
 #: Seed of the resampling generator.
 DEFAULT_SEED = 0
+#: A resampled mean this close to 0 counts on both sides of it in :func:`bootstrap_p_value_over_groups`
+#: (sums of per-task means that are exactly 0 in real numbers can be ±1e-17 in floating point).
+ZERO_TOLERANCE = 1e-12
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,22 @@ def bootstrap_mean(
     return Interval(float(array.mean()), low, high, int(array.size))
 
 
+def _group_resample_means(
+    groups: Sequence[Sequence[float]], resamples: int, seed: int, what: str
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The groups as arrays and the ``[resamples]`` stratified bootstrap means over them (each
+    resample redraws every group's samples with replacement, averages each group, then the groups)."""
+    if not groups:
+        raise KVBudgetError(f"{what} needs at least one group")
+    arrays = [_as_array(g, what) for g in groups]
+    rng = np.random.default_rng(seed)
+    group_means = np.empty((resamples, len(arrays)))  # [resamples, groups]
+    for g, array in enumerate(arrays):
+        picks = rng.integers(0, array.size, size=(resamples, array.size))
+        group_means[:, g] = array[picks].mean(axis=1)
+    return arrays, group_means.mean(axis=1)
+
+
 def bootstrap_mean_over_groups(
     groups: Sequence[Sequence[float]],
     resamples: int = DEFAULT_RESAMPLES,
@@ -91,14 +118,27 @@ def bootstrap_mean_over_groups(
     total sample count. With one group this is :func:`bootstrap_mean` of that group.
     """
     _check(resamples, level)
-    if not groups:
-        raise KVBudgetError("bootstrap_mean_over_groups needs at least one group")
-    arrays = [_as_array(g, "bootstrap_mean_over_groups") for g in groups]
-    rng = np.random.default_rng(seed)
-    group_means = np.empty((resamples, len(arrays)))  # [resamples, groups]
-    for g, array in enumerate(arrays):
-        picks = rng.integers(0, array.size, size=(resamples, array.size))
-        group_means[:, g] = array[picks].mean(axis=1)
-    low, high = _percentile_bounds(group_means.mean(axis=1), level)
+    arrays, means = _group_resample_means(groups, resamples, seed, "bootstrap_mean_over_groups")
+    low, high = _percentile_bounds(means, level)
     mean = float(np.mean([a.mean() for a in arrays]))
     return Interval(mean, low, high, int(sum(a.size for a in arrays)))
+
+
+def bootstrap_p_value_over_groups(
+    groups: Sequence[Sequence[float]],
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> float:
+    """Two-sided bootstrap p-value of "the mean over ``groups`` of each group's mean is 0".
+
+    ``groups[g]``: task ``g``'s per-sample values (shape ``[n_g]``; for a paired comparison, each
+    sample's difference). The resamples are :func:`bootstrap_mean_over_groups`'s with the same
+    ``resamples`` and ``seed``, so the p-value and the interval come from one bootstrap:
+    ``min(1, 2 (c + 1) / (resamples + 1))`` with ``c`` the resampled means on the rarer side of 0.
+    """
+    _check(resamples, DEFAULT_LEVEL)
+    _, means = _group_resample_means(groups, resamples, seed, "bootstrap_p_value_over_groups")
+    at_or_below = int(np.count_nonzero(means <= ZERO_TOLERANCE))
+    at_or_above = int(np.count_nonzero(means >= -ZERO_TOLERANCE))
+    rarer = min(at_or_below, at_or_above)
+    return min(1.0, 2.0 * (rarer + 1) / (resamples + 1))

@@ -39,7 +39,8 @@ def authors_checkpoint(name_or_path: str) -> str | None:
     (case-insensitive) names it — a hub id ``Qwen/Qwen2.5-7B-Instruct``, a local
     ``/models/Qwen2.5-7B-Instruct``, or a hub cache folder ``models--Qwen--Qwen2.5-7B-Instruct``
     (or a path below it). Other checkpoints of a family (base models, other sizes, quantised
-    copies) and kvbudget's own models (``smollm2-135m``, ``qwen2.5-coder-0.5b``) are not listed.
+    copies) and kvbudget's own models (``smollm2-135m``, ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``)
+    are not listed.
     """
     listed = {name.lower(): name for name in AUTHORS_TAU}
     listed.update({alias.lower(): name for alias, name in AUTHORS_TAU_ALIASES.items()})

@@ -171,6 +171,9 @@ def create_app(
                     job.cancel()
                     return Response(status_code=499)
                 continue
+            except asyncio.CancelledError:  # the server cancels it (Ray Serve does when the client leaves)
+                job.cancel()
+                raise
             if "error" in event:
                 return error(APIError(500, event["error"], None, "server_error", "server_error"))
             if "text" in event:

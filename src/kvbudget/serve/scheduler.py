@@ -290,10 +290,13 @@ class Scheduler:
         seq = job.seq
         try:
             token = prefill_sequence(self.model, seq, self.pad_id, job.reuse)
-        except KVBudgetError as exc:
+        except Exception as exc:  # this request fails alone; the others keep decoding
             with self._lock:
                 self._active.remove(job)
-            job.sink({"error": str(exc)})
+            seq.cache = None
+            job.sink(
+                {"error": str(exc) if isinstance(exc, KVBudgetError) else f"{type(exc).__name__}: {exc}"}
+            )
             return
         job.first_token_at = time.perf_counter()
         self.metrics.ttft(job.first_token_at - job.submitted)

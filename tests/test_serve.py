@@ -5,6 +5,7 @@ bad requests, the API key and the metrics. Every server here stops itself."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from conftest import tiny_model, tiny_tokenizer
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.app import create_app, serving
 from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
-from kvbudget.serve.scheduler import Scheduler
+from kvbudget.serve.scheduler import Metrics, Scheduler
 
 NAME = "tiny"
 HI = [{"role": "user", "content": "hi"}]
@@ -211,6 +212,44 @@ def test_a_client_that_disconnects_frees_its_cache(server) -> None:
         scheduler.keep_turns = True
 
 
+def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_tokenizer) -> None:
+    """A server that cancels a request's task (Ray Serve does when the client leaves) stops its
+    sequence at the next step, long before ``max_tokens``: the non-streamed path cancels the job."""
+    model, tokenizer = model_and_tokenizer
+
+    class CountTokens(Metrics):
+        generated = 0
+
+        def tokens(self, count: int) -> None:
+            self.generated += count
+
+    metrics = CountTokens()
+    scheduler = Scheduler(model, tokenizer, memory_cap=64 << 20, default=Compression("full"),
+                          keep_turns=False, metrics=metrics)  # fmt: skip
+    app = create_app(scheduler, NAME)  # ASGITransport runs no lifespan: the scheduler is started here
+    body = {"model": NAME, "messages": HI, "max_tokens": 900, "kvbudget": {"ignore_eos": True}}
+
+    async def ask_then_cancel() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvbudget") as http:
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            while scheduler.stats()["active"] == 0:
+                await asyncio.sleep(0.001)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    scheduler.start()
+    try:
+        asyncio.run(ask_then_cancel())
+        deadline = time.monotonic() + 30
+        while scheduler.stats()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.stats()["active"] == 0 and 0 < metrics.generated < 900
+    finally:
+        scheduler.stop()
+
+
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
@@ -259,3 +298,37 @@ def test_metrics_parse_as_prometheus_text(server) -> None:
     assert families["kvbudget_kv_bytes_cap"].samples[0].value == scheduler.memory_cap
     for name in ("kvbudget_active_sequences", "kvbudget_queued_requests", "kvbudget_kv_bytes_held"):
         assert name in families
+
+
+@pytest.mark.integration
+def test_the_real_model_reuses_a_conversation_and_answers_the_follow_up_sooner(real_model) -> None:
+    """smollm2-135m (Q4_1 GGUF weights, dequantized to float32): a follow-up that extends the first
+    turn prefills only its new tokens, so its first token comes sooner than the first turn's."""
+    model, tokenizer = real_model
+    scheduler = Scheduler(model, tokenizer, memory_cap=256 << 20, default=Compression("snapkv", 128))
+    context = " ".join(f"Item {i} is stored in box {i * 7 % 31}." for i in range(150))
+    with live(scheduler) as base:
+        c = client(base)
+
+        def first_token_seconds(messages: list[dict]) -> tuple[float, str, dict]:
+            start, first, text, usage = time.perf_counter(), None, [], {}
+            stream = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, stream=True,
+                                               stream_options={"include_usage": True})  # fmt: skip
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first if first is not None else time.perf_counter() - start
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage:
+                    usage = chunk.usage.model_extra["kvbudget"]
+            return first, "".join(text), usage
+
+        turn = [{"role": "user", "content": context + "\nWhere is item 12?"}]
+        ttft_first, answer, first_usage = first_token_seconds(turn)
+        follow = [
+            *turn,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And item 13?"},
+        ]
+        ttft_follow, _, usage = first_token_seconds(follow)
+    assert first_usage["reused_tokens"] == 0 and usage["reused_tokens"] > 1000
+    assert ttft_follow < ttft_first

@@ -238,14 +238,14 @@ def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_toke
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request
+            deadline = time.monotonic() + 30  # the loop lives on, as a server's does
+            while scheduler.stats()["active"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
 
     scheduler.start()
     try:
         asyncio.run(ask_then_cancel())
-        deadline = time.monotonic() + 30
-        while scheduler.stats()["active"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert scheduler.stats()["active"] == 0 and 0 < metrics.generated < 900
+        assert scheduler.stats()["active"] == 0 and metrics.generated < 450  # of 899 decode steps
     finally:
         scheduler.stop()
 

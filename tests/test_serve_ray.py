@@ -134,3 +134,10 @@ def test_a_local_model_path_is_made_absolute_for_the_replicas(tiny_dir: Path, mo
     assert config.memory_cap == 1 << 20 and config.default.ratio == 0.5
     with pytest.raises(KVBudgetError, match="served_name"):
         replica_config(lambda: (None, None))
+
+
+def test_serve_run_arguments_build_the_application(tiny_dir: Path) -> None:
+    """``serve run kvbudget.serve.ray_deployment:app_builder model=... replicas=3 ...``: strings in,
+    a Serve application out (nothing starts until Serve runs it)."""
+    args = {"model": str(tiny_dir), "replicas": "3", "memory_cap": "1MiB", "ratio": "0.25"}
+    assert isinstance(app_builder({**args, "cpus_per_replica": "0.5"}), serve.Application)

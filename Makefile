@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m
 
-.PHONY: install fetch test demo lint peer
+.PHONY: install fetch test demo lint peer ov ov-model
 
 # The stamp is rebuilt only when pyproject.toml changes, so `make install` is quick on rerun.
 install: $(VENV)/.installed
@@ -50,3 +50,33 @@ $(PEER_VENV)/.installed: Makefile
 	$(PEER_VENV)/bin/python -m pip install --quiet $(PEER_REQUIREMENTS)
 	$(PEER_VENV)/bin/python -c "import kvpress, transformers, torch; print('kvpress', kvpress.__version__ if hasattr(kvpress, '__version__') else '0.5.5', 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
+
+# A separate environment with OpenVINO GenAI, the anchor of `kvbudget bench serve --openvino
+# .venv-ov/bin/python` (docs/serving.md): its continuous-batching pipeline and cache eviction run in
+# src/kvbudget/peer/openvino_runner.py, which imports no kvbudget module. optimum-intel exports the
+# model to OpenVINO IR (`make ov-model`). torch is the same CPU build as the main .venv; PyPI's
+# torchvision 0.28.0, which optimum-intel pulls in, is a CUDA build that fails to load against it
+# ("operator torchvision::nms does not exist") and breaks transformers' imports, and nothing here
+# needs it, so it is removed.
+OV_VENV := .venv-ov
+OV_REQUIREMENTS := torch==2.13.0 openvino-genai==2026.4.1.0 "optimum-intel[openvino]==2.2.0" optimum==2.3.0 \
+	nncf==3.4.0 transformers==5.5.4
+OV_MODEL ?= qwen2.5-coder-0.5b
+
+ov: $(OV_VENV)/.installed
+
+$(OV_VENV)/.installed: Makefile
+	test -x $(OV_VENV)/bin/python || $(PYTHON) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OV_VENV)/bin/python -m pip install --quiet $(OV_REQUIREMENTS)
+	$(OV_VENV)/bin/python -m pip uninstall --quiet --yes torchvision
+	$(OV_VENV)/bin/python -c "import openvino, openvino_genai, optimum.intel, transformers, torch; print('openvino_genai', openvino_genai.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# The registry model's Hugging Face folder (its GGUF weights dequantized) exported once to OpenVINO IR
+# with fp16 weights, beside it in $KVBUDGET_HOME/models/<name>/openvino (skipped when already there).
+ov-model: ov install
+	$(BIN)/kvbudget fetch model $(OV_MODEL)
+	$(BIN)/python -c "from kvbudget.models import model_dir; d = model_dir('$(OV_MODEL)'); print(d / 'hf', d / 'openvino')" | \
+	{ read hf ir; test -f $$ir/openvino_model.xml || $(OV_VENV)/bin/optimum-cli export openvino --model $$hf \
+	  --task text-generation-with-past --weight-format fp16 $$ir; }

@@ -47,6 +47,8 @@ HARNESS_MODULES = {
 #: Harness imports no extra declares, each with why.
 UNDECLARED_HARNESS_IMPORTS = {
     "kvpress": "imported only by peer/kvpress_runner.py, which runs inside .venv-peer (make peer)",
+    "openvino": "imported only by peer/openvino_runner.py, which runs inside .venv-ov (make ov)",
+    "openvino_genai": "imported only by peer/openvino_runner.py, which runs inside .venv-ov (make ov)",
     "datasets": "eval/longbench.py reads a Hugging Face dataset directory with it, for users who give one",
 }
 

@@ -857,6 +857,17 @@ def bench_serve(
     time_limit: Annotated[float, typer.Option(help="Seconds per method at most.")] = 1800.0,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "bfloat16",
     out: Annotated[Path, typer.Option(help="Output directory (serve.json, serve.md).")] = Path("runs/serve"),
+    openvino: Annotated[
+        Path | None,
+        typer.Option(
+            help="Python of the OpenVINO GenAI environment (`make ov`, .venv-ov/bin/python): adds the rows "
+            "'openvino (full)' and 'openvino (eviction)', the same prompts under the same cap."
+        ),
+    ] = None,
+    openvino_model: Annotated[
+        Path | None,
+        typer.Option(help="OpenVINO IR folder of the model (default: the registry model's `openvino/`)."),
+    ] = None,
 ) -> None:
     """Load `kvbudget serve` with concurrent clients: sequences held at once, tokens/s, TTFT/TPOT and
     accuracy, full cache vs compressed methods under one KV cap (docs/serving.md)."""
@@ -871,11 +882,18 @@ def bench_serve(
         check.at_least(max_tokens, 1, "--max-tokens")
     check.model_source(model)
     check.output_dir(out, "--out")
+    if openvino is not None:
+        from kvbudget.peer.openvino import check_environment, default_ir_dir
+
+        openvino_model = openvino_model or default_ir_dir(model)
+        check_environment(openvino, openvino_model, model)
     config = ServeBenchConfig(
         model=model, dtype=check.dtype(dtype), task=task, length=length,
         methods=_split(methods) or ["full", "snapkv", "ada-snapkv"], ratio=ratio,
         cap_bytes=parse_size(memory_cap) if memory_cap else None, clients=clients, requests=requests,
         max_tokens=max_tokens, ignore_eos=ignore_eos, time_limit_s=time_limit,
+        openvino_python=str(openvino) if openvino else None,
+        openvino_model=str(openvino_model) if openvino_model else None,
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())

@@ -13,6 +13,11 @@ steps), TTFT and TPOT p50/p99 as the clients saw them, and accuracy on the answe
 The cap defaults to what two full-cache conversations of the prompt length need
 (:func:`~kvbudget.serve.batcher.prefill_peak_bytes` of the full cache), so the full cache holds two
 at once and a compressed method as many as fit.
+
+With ``openvino_python`` (``.venv-ov``'s Python, ``make ov``) the same prompts also run through
+OpenVINO GenAI's continuous-batching pipeline (:mod:`kvbudget.peer.openvino`) with its KV pool set
+to the cap, once with the full cache and once with its cache eviction sized to keep the fraction
+of the prompt the compressed methods keep: rows "openvino (full)" and "openvino (eviction)".
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +36,7 @@ from urllib.parse import urlparse
 from kvbudget.engine import build_prompt
 from kvbudget.errors import InputError
 from kvbudget.eval.tasks import get_task
+from kvbudget.prefill.common import eos_ids
 from kvbudget.serve.app import create_app, prometheus_metrics, serving
 from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
 from kvbudget.serve.scheduler import Metrics, Scheduler
@@ -55,6 +62,8 @@ class ServeBenchConfig:
     ignore_eos: bool = False
     time_limit_s: float = 1800.0
     seed: int = 0
+    openvino_python: str | None = None
+    openvino_model: str | None = None
 
 
 class _Counting(Metrics):
@@ -189,6 +198,10 @@ def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=N
         raise InputError(f"--ratio is kvpress's compression ratio, in [0, 1), got {config.ratio}")
     if config.clients < 1 or config.requests < 1:
         raise InputError("--clients and --requests must be ≥ 1")
+    if config.openvino_python:  # before the kvbudget rows, not after them
+        from kvbudget.peer.openvino import check_environment
+
+        check_environment(config.openvino_python, _openvino_ir_dir(config), config.model)
     task = get_task(config.task)
     if model is None:
         from kvbudget.models import load_model
@@ -203,11 +216,93 @@ def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=N
         rows.append(run_one(model, tokenizer, config, method, cap, samples, task))
         progress(f"  held {rows[-1]['held_at_once']} at once, {rows[-1]['tokens_per_s']:.2f} tok/s")
     out.mkdir(parents=True, exist_ok=True)
+    if config.openvino_python:
+        progress(f"bench serve: OpenVINO GenAI (full, eviction) under a cap of {format_bytes(cap)}")
+        rows.extend(run_openvino(model, tokenizer, config, cap, samples, task, out))
     (out / "serve.json").write_text(
         json.dumps({"config": asdict(config), "cap_bytes": cap, "rows": rows}, indent=1)
     )
     (out / "serve.md").write_text(markdown(config, cap, rows))
     return out / "serve.md"
+
+
+def run_openvino(
+    model, tokenizer, config: ServeBenchConfig, cap: int, samples: list, task, out: Path
+) -> list[dict[str, Any]]:
+    """The same prompts (ids, answer lengths, EOS ids) through OpenVINO GenAI's runner: its rows."""
+    from kvbudget.peer.openvino import PRECISIONS, run_runner
+
+    eos = sorted(eos_ids(model, tokenizer))
+    prompts = []
+    for i, s in enumerate(samples):
+        ids = build_prompt(tokenizer, s.context, s.question, s.answer_prefix).ids
+        max_new_tokens = config.max_tokens or s.max_new_tokens
+        prompts.append({"id": i, "input_ids": list(ids), "max_new_tokens": max_new_tokens, "eos_ids": eos,
+                        "ignore_eos": config.ignore_eos})  # fmt: skip
+    document = run_runner(
+        config.openvino_python, _openvino_ir_dir(config), prompts, cap, keep_fraction=1.0 - config.ratio,
+        concurrency=config.clients, precision=PRECISIONS[config.dtype], workdir=out,
+        timeout_s=2 * config.time_limit_s + 600,
+    )  # fmt: skip
+    answers = {i: s.answers for i, s in enumerate(samples)}
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return openvino_rows(document, answers, decode, task.metric)
+
+
+def _openvino_ir_dir(config: ServeBenchConfig) -> Path | None:
+    from kvbudget.peer.openvino import default_ir_dir
+
+    return Path(config.openvino_model) if config.openvino_model else default_ir_dir(config.model)
+
+
+def openvino_rows(
+    document: dict[str, Any],
+    answers: dict[int, list[str]],
+    decode: Callable[[list[int]], str],
+    metric: Callable[[str, list[str]], float],
+) -> list[dict[str, Any]]:
+    """One row per mode of the OpenVINO runner's ``document`` (:mod:`kvbudget.peer.openvino_runner`):
+    ``answers`` by prompt id, ``decode`` token ids to text, ``metric`` the task's score. A request the
+    pipeline did not finish (``IGNORED``: its pool could not hold it) is an error, not an answer; the
+    runner times no decode step apart from prefill chunks, so ``decode_tokens_per_s`` is None."""
+    rows = []
+    for run in document["runs"]:
+        done = [r for r in run["requests"] if "error" not in r]
+        scores = [float(metric(decode(r["token_ids"]), answers[r["id"]])) for r in done]
+        ttft = [r["ttft_s"] for r in done if r.get("ttft_s") is not None]
+        tpot = [r["tpot_s"] for r in done if r.get("tpot_s") is not None]
+        tokens, wall = sum(len(r["token_ids"]) for r in done), run["wall_s"]
+        rows.append({
+            "method": f"openvino:{run['mode']}", "compression": f"openvino ({run['mode']})",
+            "cap_bytes": document["cap_bytes"], "answered": len(done),
+            "errors": [r["error"] for r in run["requests"] if "error" in r][:5],
+            "held_at_once": run["held_at_once"], "peak_kv_bytes": run["peak_kv_bytes"], "tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall if wall else None, "decode_tokens_per_s": None,
+            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+            "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
+            "accuracy": statistics.fmean(scores) if scores else None, "note": _openvino_note(document, run),
+        })  # fmt: skip
+    return rows
+
+
+def _openvino_note(document: dict[str, Any], run: dict[str, Any]) -> str:
+    """What an OpenVINO row ran: the pipeline, its KV pool and its eviction settings."""
+    note = (
+        f"openvino ({run['mode']}): OpenVINO GenAI {document['versions']['openvino_genai']} "
+        f"ContinuousBatchingPipeline on {document['device']}, KV pool of {run['num_kv_blocks']} blocks of "
+        f"{run['block_size']} tokens ({format_bytes(run['pool_bytes'])}, {document['kv_precision']})"
+    )
+    eviction = run.get("cache_eviction")
+    if eviction:
+        note += (
+            f", CacheEvictionConfig keeping {eviction['max_cache_size']} tokens per sequence (start "
+            f"{eviction['start_size']}, recent {eviction['recent_size']}), {run['aggregation']}, "
+            f"snapkv_window_size {eviction['snapkv_window_size']}"
+        )
+    return note + "."
 
 
 def _f(value: float | None, fmt: str) -> str:
@@ -234,4 +329,7 @@ def markdown(config: ServeBenchConfig, cap: int, rows: list[dict[str, Any]]) -> 
             f"{_f(r['tpot_p99_s'] and r['tpot_p99_s'] * 1000, '.0f')} ms | "
             f"{_f(r['accuracy'] and r['accuracy'] * 100, '.0f')}% | {r['answered']} |"
         )
+    notes = [r["note"] for r in rows if r.get("note")]
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines) + "\n"

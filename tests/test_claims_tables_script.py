@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "lab" / "scripts" / "claims_tables.py"
 
@@ -13,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "lab" / "scripts" / "claims_table
 def _load():
     spec = importlib.util.spec_from_file_location("claims_tables", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
@@ -118,3 +122,57 @@ def test_every_ratio_tasks_are_the_plans_shared_tasks_and_filter_a_pair_table():
     assert "+25.0 [" in tables.pairs_table(rows, [("a", "b")])[2]
     every = tables.pairs_table(rows, [("a", "b")], tasks=tables.EVERY_RATIO)
     assert every[2] == "| a − b | 50.0 vs 50.0: +0.0 [+0.0, +0.0] (1 tasks) |"
+
+
+def test_family_verdict_applies_the_rule():
+    """docs/claims.md's rule on (direction, a − b, Holm-adjusted p) triples: every comparison held in
+    the claimed direction → reproduced; one held against it → not reproduced, whatever the others;
+    anything else → inconclusive; a comparison not run (None) or an empty family → pending."""
+    tables = _load()
+    v = tables.family_verdict
+    assert v([(1, 2.7, 0.01), (1, 14.2, 0.005)]) == "reproduced"
+    assert v([(-1, -0.06, 0.004), (-1, -0.18, 0.004)]) == "reproduced"  # lower is better, and lower
+    assert v([(1, 14.2, 0.005), (1, -5.5, 0.006)]) == "not reproduced"
+    assert v([(1, 2.7, 0.054), (1, -5.5, 0.006)]) == "not reproduced"
+    assert v([(-1, 0.039, 0.049)]) == "not reproduced"  # KL higher where the claim says lower
+    assert v([(1, 2.7, 0.054), (1, 14.2, 0.005)]) == "inconclusive at this scale"
+    assert v([(1, -3.0, 0.2)]) == "inconclusive at this scale"  # against, but not significant
+    assert v([(1, 2.7, 0.05)]) == "inconclusive at this scale"  # p must be below α, not at it
+    assert v([(1, 9.6, 0.003), None]) == v([]) == "pending (not run)"
+
+
+def test_verdicts_table_corrects_each_family_by_holm_and_leaves_unrun_comparisons_pending():
+    """Three comparisons, each a win on 4 of 20 samples: each raw interval excludes 0 (raw p ≈ 0.024:
+    a resample misses all 4 with probability 0.8^20 = 0.012 per side), but Holm multiplies the
+    smallest of three equal p-values by 3, and the family is inconclusive. A one-comparison family
+    of a clear win is reproduced, uncorrected; a family with a comparison whose rows do not exist
+    is pending, its row "not run"."""
+    tables = _load()
+    rows = []
+    for label, scores in {
+        "m": [1.0] * 20,
+        "x": [0.0] * 20,
+        **{y: [0.0] * 4 + [1.0] * 16 for y in "uvw"},
+    }.items():
+        rows += [{"label": label, "task": "t", "length": 2048, "sample": i, "compression_ratio": 0.5,
+                  "score": s} for i, s in enumerate(scores)]  # fmt: skip
+    col = ("r", 0.5)
+    three = tables.Family("P", "r = 0.5", tuple(tables.Comparison("m", y, col) for y in "uvw"))
+    one = tables.Family("Q", "r = 0.5", (tables.Comparison("m", "x", col),))
+    unrun = tables.Family(
+        "R", "r = 0.5", (tables.Comparison("m", "x", col), tables.Comparison("m", "z", col))
+    )
+    lines = tables.verdicts_table({"leaderboard": rows}, [three, one, unrun])
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[2:]]
+    assert len(cells) == 6
+    for row in cells[:3]:
+        low = float(row[4].split("[")[1].split(",")[0])
+        p, holm = float(row[6]), float(row[7])
+        assert row[3] == "100.0 vs 80.0" and low > 0 and 0.01 < p < 0.05
+        assert holm == pytest.approx(3 * p, abs=2e-3) and holm > 0.05
+    assert cells[0][8:] == ["**inconclusive at this scale**", "–"] and cells[1][8:] == cells[2][8:] == [
+        "",
+        "",
+    ]
+    assert cells[3][2] == "m − x" and cells[3][6] == cells[3][7] and cells[3][8] == "**reproduced**"
+    assert cells[4][8] == "**pending (not run)**" and cells[5][3] == "not run"

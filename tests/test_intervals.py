@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvbudget.errors import KVBudgetError
-from kvbudget.eval.intervals import bootstrap_mean, bootstrap_mean_over_groups
+from kvbudget.eval.intervals import bootstrap_mean, bootstrap_mean_over_groups, bootstrap_p_value_over_groups
 
 
 def binomial_quantile(n: int, p: float, q: float) -> int:
@@ -107,6 +107,37 @@ def test_one_group_is_the_plain_bootstrap():
     assert bootstrap_mean_over_groups([values], seed=3) == bootstrap_mean(values, seed=3)
 
 
+def test_p_value_of_a_two_sample_task_is_the_binomial_tail():
+    # {0, 1}: a resample mean is 0 with probability 1/4 (both draws 0) and never below, so the
+    # rarer side of 0 holds ~R/4 means and p = 2 (R/4 + 1) / (R + 1) ≈ 0.5
+    p = bootstrap_p_value_over_groups([[0.0, 1.0]], resamples=20000)
+    assert p == pytest.approx(0.5, abs=0.02)
+
+
+def test_p_value_floor_and_ceiling():
+    # all differences positive: no resample reaches 0, p = 2 / (R + 1); all zero or symmetric: p = 1
+    assert bootstrap_p_value_over_groups([[0.2, 0.4], [0.1]], resamples=999) == 2 / 1000
+    assert bootstrap_p_value_over_groups([[0.0] * 5], resamples=999) == 1.0
+    assert bootstrap_p_value_over_groups([[-1.0, 1.0], [1.0, -1.0]], resamples=999) == 1.0
+
+
+def test_p_value_agrees_with_the_interval_it_comes_with():
+    """Same seed, same draws: the interval excludes 0 exactly where p < 0.05 (up to one resample at
+    the boundary; none of these is at it), and p counts the resampled means by hand."""
+    groups = [[0.0, 1.0, 1.0, 0.0, 1.0], [0.5, 0.0, 0.25, 1.0]]
+    for shift in (-0.6, -0.2, 0.0, 0.3, 0.7):
+        shifted = [[x + shift for x in g] for g in groups]
+        interval = bootstrap_mean_over_groups(shifted, resamples=3000, seed=5)
+        p = bootstrap_p_value_over_groups(shifted, resamples=3000, seed=5)
+        assert (p < 0.05) == (interval.low > 0 or interval.high < 0)
+    rng = np.random.default_rng(5)
+    arrays = [np.asarray(g) + 0.3 for g in groups]
+    means = np.mean([a[rng.integers(0, a.size, size=(3000, a.size))].mean(axis=1) for a in arrays], axis=0)
+    rarer = min(int((means <= 1e-12).sum()), int((means >= -1e-12).sum()))
+    expected = min(1.0, 2 * (rarer + 1) / 3001)
+    assert bootstrap_p_value_over_groups([list(a) for a in arrays], resamples=3000, seed=5) == expected
+
+
 @pytest.mark.parametrize(
     ("call", "words"),
     [
@@ -116,6 +147,8 @@ def test_one_group_is_the_plain_bootstrap():
         (lambda: bootstrap_mean([0.1], level=1.0), "level must be in (0, 1)"),
         (lambda: bootstrap_mean_over_groups([]), "at least one group"),
         (lambda: bootstrap_mean_over_groups([[0.5], []]), "at least one value"),
+        (lambda: bootstrap_p_value_over_groups([]), "at least one group"),
+        (lambda: bootstrap_p_value_over_groups([[0.5]], resamples=0), "resamples must be an integer ≥ 1"),
     ],
 )
 def test_bad_input_is_a_one_line_error(call, words):

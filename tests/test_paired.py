@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbudget.errors import KVBudgetError
-from kvbudget.eval.paired import paired_difference
+from kvbudget.eval.paired import holm_adjust, paired_difference
 
 
 def _row(task, label, sample, score, ratio=None) -> dict:
@@ -60,3 +60,33 @@ def test_the_full_cache_is_matched_to_every_column_and_a_loss_is_behind():
 def test_no_shared_sample_is_a_one_line_error():
     with pytest.raises(KVBudgetError, match="share no scored sample"):
         paired_difference([_row("t", "a", 0, 1.0, 0.5)], "a", "b", ("r", 0.5))
+
+
+def test_the_difference_carries_the_p_value_of_its_own_resamples():
+    # every sample's difference is +0.25: no resample reaches 0, so p is the floor 2 / (R + 1)
+    b = [0.0, 0.75, 0.0, 0.75]
+    rows = [_row("t", "b", i, v, 0.5) for i, v in enumerate(b)]
+    rows += [_row("t", "a", i, v + 0.25, 0.5) for i, v in enumerate(b)]
+    assert paired_difference(rows, "a", "b", ("r", 0.5), resamples=499).p_value == 2 / 500
+    # a ties b everywhere: p = 1
+    rows += [_row("t", "c", i, v, 0.5) for i, v in enumerate(b)]
+    assert paired_difference(rows, "c", "b", ("r", 0.5), resamples=499).p_value == 1.0
+
+
+def test_holm_matches_the_textbook_example():
+    """Wikipedia's "Holm–Bonferroni method" example: four p-values 0.01, 0.04, 0.03, 0.005 at α = 0.05.
+    By hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; running
+    maximum 0.02, 0.03, 0.06, 0.06. The step-down test rejects H4 (0.005 < 0.05/4) and H1
+    (0.01 < 0.05/3) and stops at H3 (0.03 > 0.05/2), so H2 is kept though 0.04 < 0.05/1."""
+    adjusted = holm_adjust([0.01, 0.04, 0.03, 0.005])
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert [p < 0.05 for p in adjusted] == [True, False, False, True]
+
+
+def test_holm_caps_at_one_keeps_a_single_p_and_ties_in_order():
+    assert holm_adjust([0.5, 0.4, 0.9]) == pytest.approx([1.0, 1.0, 1.0])  # 3·0.4 = 1.2 → 1
+    assert holm_adjust([0.03]) == [0.03]  # a family of one is not corrected
+    assert holm_adjust([0.01, 0.01]) == pytest.approx([0.02, 0.02])
+    assert holm_adjust([]) == []
+    with pytest.raises(KVBudgetError, match="p-values must be in"):
+        holm_adjust([0.2, 1.5])

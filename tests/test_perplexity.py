@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import seeded, tiny_model
-from kvbudget.eval.tasks.perplexity import chunked_perplexity
+from conftest import seeded, tiny_model, tiny_tokenizer
+from kvbudget.eval.tasks.perplexity import chunked_perplexity, scored_from
 from kvbudget.methods.registry import make_method
 
 IDS = torch.randint(3, 90, (1, 200), generator=seeded(0))
@@ -112,3 +112,26 @@ def test_a_bad_ratio_is_a_one_line_error(ratio):
 
     with pytest.raises(BudgetError, match=r"compression ratio must be in \(0, 1\], got"):
         chunked_perplexity(tiny_model(), IDS, make_method("baklava"), budget=50, ratio=ratio)
+
+
+def test_the_evaluation_scores_every_method_on_the_same_tokens(tmp_path):
+    """Every row of a passage — the full cache's and each ratio's — scores the passage's second half
+    (issue #45: the full cache had scored every token after the first chunk and each compressed run
+    its last length − budget tokens, so their perplexities were read on different text)."""
+    from kvbudget.eval.runner import EvalConfig, Runner
+    from kvbudget.eval.store import load_rows
+
+    config = EvalConfig(
+        model="tiny", tasks=["perplexity"], lengths=[320], methods=["full", "streamingllm", "snapkv"],
+        budgets=[], compression_ratios=[0.5, 0.75], limit=1,
+    )  # fmt: skip
+    runner = Runner(config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(), progress=False)
+    rows = load_rows(runner.run())
+    assert len(rows) == 5 and all(r["error"] is None for r in rows)
+    (length,) = {r["prompt_tokens"] for r in rows}
+    assert scored_from(length) == length // 2
+    assert {r["scored_tokens"] for r in rows} == {length - length // 2}  # before: 288, 160 and 240
+    assert {r["scored_from"] for r in rows} == {length // 2}
+    full = next(r for r in rows if r["label"] == "full")
+    assert all(r["full_score"] == full["score"] for r in rows)
+    assert scored_from(2048) == 1024 and scored_from(100, chunk=64) == 64  # at least one chunk

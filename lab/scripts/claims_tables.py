@@ -4,12 +4,17 @@
         [--leaderboard lab/results/leaderboard] [--baklava lab/results/claims-baklava]
         [--asl-ttft lab/results/claims-asl-ttft] [--dtype-check DIR]
         [--agnostic lab/results/leaderboard-agnostic] [--ea-floor lab/results/ea-kvpress]
+        [--d2o-longgen lab/results/claims-d2o-longgen]
 
 Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
 those blocks in the file.
 
 Every difference is paired (the same samples for both methods; kvbudget.eval.paired) with its 95%
 stratified bootstrap interval; ``ahead``/``behind`` only where the interval excludes 0.
+
+The ``verdicts`` block applies docs/claims.md's rule: each paper's pre-registered headline family
+(:data:`FAMILIES`), its comparisons' bootstrap p-values corrected together by Holm
+(kvbudget.eval.paired.holm_adjust), and the verdict of :func:`family_verdict`.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import json
 import re
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvbudget.errors import KVBudgetError
-from kvbudget.eval.paired import PairedDifference, paired_difference, row_column
+from kvbudget.eval.paired import PairedDifference, holm_adjust, paired_difference, row_column
 from kvbudget.eval.report import PEER_PREFIX, across_tasks
 from kvbudget.eval.store import archive_parts, load_rows
 from kvbudget.eval.suites import LEADERBOARD_PLAN
@@ -133,16 +140,60 @@ def selection_layers(rows: list[dict], methods: list[str]) -> list[str]:
     return lines
 
 
+#: The paper's two LongBench output lengths of its latency breakdown (LAQ §6.3, Fig. 6): the mean
+#: answer of its short-output and of its long-output scenario, in tokens.
+LAQ_OUTPUT_TOKENS = (11.2, 402.83)
+
+
 def laq_overhead(rows: list[dict]) -> list[str]:
-    """LAQ's lookahead time as a share of its time to first token (prefill + compression)."""
-    lines = ["| method | lookahead s | TTFT s | share of TTFT |", "|---|---|---|---|"]
+    """LAQ's lookahead time as a share of its time to first token (prefill + compression + lookahead)
+    and, as the paper defines its overhead, of the total latency ``TTFT + (n − 1) · TPOT`` at the
+    paper's two output lengths ``n`` (:data:`LAQ_OUTPUT_TOKENS`); TPOT is the mean over the method's
+    rows that decoded one-token steps (the evaluation's other answer tokens come from the draft)."""
+    shares = " | ".join(f"share of total at {n:g} tokens" for n in LAQ_OUTPUT_TOKENS)
+    lines = [
+        f"| method | lookahead s | TTFT s | TPOT s | share of TTFT | {shares} |",
+        "|---|---|---|---|---|" + "---|" * len(LAQ_OUTPUT_TOKENS),
+    ]
     for method in ("laq", "laq++", "laq-ada", "laq-lava"):
         mine = [r for r in rows if r["method"] == method and r.get("ttft_s")]
-        if not mine:
+        steps = [r["tpot_s"] for r in mine if r.get("tpot_s")]
+        if not mine or not steps:
             continue
         look = statistics.mean(r["lookahead_s"] for r in mine)
         ttft = statistics.mean(r["ttft_s"] for r in mine)
-        lines.append(f"| {method} | {look:.2f} | {ttft:.2f} | {100 * look / ttft:.1f}% |")
+        tpot = statistics.mean(steps)
+        totals = " | ".join(f"{100 * look / (ttft + (n - 1) * tpot):.1f}%" for n in LAQ_OUTPUT_TOKENS)
+        lines.append(
+            f"| {method} | {look:.2f} | {ttft:.2f} | {tpot:.3f} | {100 * look / ttft:.1f}% | {totals} |"
+        )
+    return lines
+
+
+def kl_rows(rows: list[dict]) -> list[dict]:
+    """``rows`` scored by their KL(full ‖ method) per answer token instead of their task score."""
+    return [{**r, "score": r["kl"]} for r in rows if r.get("kl") is not None and r.get("error") is None]
+
+
+def d2o_longgen(
+    rows: list[dict], others: Sequence[str] = ("h2o", "d2o-nomerge", "cam", "streamingllm")
+) -> list[str]:
+    """D2O's long generation: each method's KL per answer token and ``d2o − method`` (paired)."""
+    lines = ["| method | KL per token [95% CI] | d2o − method [95% CI] | p |", "|---|---|---|---|"]
+    column = ("r", 0.5)
+    found = [(m, _try(rows, "d2o", m, column, None, min_samples=10)) for m in others]
+    found = [(m, d) for m, d in found if d is not None]
+    if not found:
+        return ["(no rows)"]
+    d2o = found[0][1].a
+    listed = [(m, d.b, d) for m, d in found] + [("d2o", d2o, None)]
+    for m, kl, d in sorted(listed, key=lambda item: item[1].mean):
+        if d is None:
+            diff = "– | –"
+        else:
+            x = d.difference
+            diff = f"{x.mean:+.3f} [{x.low:+.3f}, {x.high:+.3f}] | {_p(d.p_value)}"
+        lines.append(f"| {m} | {kl.mean:.3f} [{kl.low:.3f}, {kl.high:.3f}] | {diff} |")
     return lines
 
 
@@ -204,6 +255,192 @@ def dtype_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------------------ verdicts
+
+#: The level of every family's test, after Holm's correction (docs/claims.md, "The rule").
+ALPHA = 0.05
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive at this scale"
+#: A family one of whose comparisons has no finished rows yet: no verdict.
+PENDING = "pending (not run)"
+
+
+def family_verdict(findings: Sequence[tuple[int, float, float] | None], alpha: float = ALPHA) -> str:
+    """The verdict of one headline family by docs/claims.md's rule.
+
+    ``findings``: per comparison ``(direction, mean, adjusted_p)`` — ``direction`` +1 where the claim
+    says ``a`` scores higher than ``b``, −1 where lower (perplexity, KL); ``mean`` the measured
+    ``a − b``; ``adjusted_p`` its Holm-adjusted p-value — or ``None`` for a comparison not run yet.
+
+    * **not reproduced**: some comparison is significant (adjusted p < ``alpha``) against the claim;
+    * **reproduced**: every comparison is significant in the claimed direction;
+    * **inconclusive at this scale**: otherwise;
+    * **pending**: the family is empty or a comparison has not run (nothing is read from a part).
+    """
+    done = [f for f in findings if f is not None]
+    if not done or len(done) < len(findings):
+        return PENDING
+    if any(p < alpha and direction * mean < 0 for direction, mean, p in done):
+        return NOT_REPRODUCED
+    if all(p < alpha and direction * mean > 0 for direction, mean, p in done):
+        return REPRODUCED
+    return INCONCLUSIVE
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One comparison of a family: ``a − b`` at ``column`` over ``tasks`` (``None``: every task both
+    finished) of the rows named ``source``, each task counting once both have ``min_samples``.
+
+    ``direction``: +1 where the claim says ``a`` scores higher, −1 where lower. ``a_ratio``: take
+    ``a``'s rows at this compression ratio instead of ``column``'s (a comparison at equal memory,
+    where ``b`` holds more than its budget)."""
+
+    a: str
+    b: str
+    column: tuple[str, float]
+    direction: int = 1
+    source: str = "leaderboard"
+    tasks: tuple[str, ...] | None = None
+    min_samples: int = MIN_SAMPLES
+    a_ratio: float | None = None
+
+    @property
+    def a_label(self) -> str:
+        return self.a if self.a_ratio is None else f"{self.a} at r={self.a_ratio:g}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.a_label} − {self.b}"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A paper's headline family: the comparisons its claim names, at the setting here
+    nearest the claim's own (``setting``, in words). ``pending``: where these rows stand in for the
+    claim's exact setting, the run that would replace them (its verdict is provisional until then)."""
+
+    paper: str
+    setting: str
+    comparisons: tuple[Comparison, ...]
+    pending: str = ""
+
+
+#: Tasks of the RULER family among the leaderboard's (rows' ``family`` = "ruler").
+RULER_FAMILY = "ruler"
+#: Scale and decimals of each row source's scores in the verdicts table (×100 scores, KL as is).
+SOURCE_FORMAT = {"leaderboard": (100.0, 1), "d2o-longgen-kl": (1.0, 3)}
+AT_0875 = ("r", 0.875)
+
+FAMILIES = (
+    Family(
+        "LAVa", "r = 0.875, 13 tasks (the smallest budget, where the claim puts its largest margin)",
+        tuple(
+            Comparison("lava", b, AT_0875)
+            for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+        ),
+        pending="the baselines at LAVa's App. D settings (`@lava`)",
+    ),
+    Family(
+        "ASL", "r = 0.875, 13 tasks; PyramidInfer at equal memory (it keeps ~81% of the prompt at "
+        "every r; ASL at r = 0.25 keeps 75%), 5 tasks",
+        (
+            Comparison("asl", "fastkv", AT_0875),
+            Comparison("asl", "gemfilter", AT_0875),
+            Comparison("asl", "pyramidinfer", AT_0875, tasks=tuple(EVERY_RATIO), a_ratio=0.25),
+        ),
+        pending="FastKV and GemFilter at ASL's settings (`fastkv@asl`, `gemfilter@asl`)",
+    ),
+    Family(
+        "BaKlaVa", "r = 0.875 (high compression), 13 tasks; BaKlaVa untuned",
+        (Comparison("baklava", "streamingllm", AT_0875), Comparison("baklava", "squeezeattention", AT_0875)),
+        pending="BaKlaVa and SqueezeAttention tuned (perplexity-tuned profile; tuned on held-out tasks)",
+    ),
+    Family(
+        "Lookahead Q-Cache", "r = 0.875, lcc (the one LongBench task here)",
+        tuple(Comparison(a, "snapkv", AT_0875, tasks=("lcc",)) for a in ("laq", "laq++")),
+    ),
+    Family(
+        "D2O", "gsm8k chain of thought, 256 tokens, r = 0.5, 10 problems; KL(full ‖ method) per token",
+        tuple(
+            Comparison("d2o", b, ("r", 0.5), direction=-1, source="d2o-longgen-kl", min_samples=10)
+            for b in ("h2o", "d2o-nomerge", "streamingllm", "cam")
+        ),
+    ),
+)  # fmt: skip
+
+
+def _measure(sources: dict[str, list[dict]], c: Comparison) -> PairedDifference | None:
+    """``c`` measured on its source's rows (``None`` until both sides finished a task)."""
+    rows = sources.get(c.source, [])
+    if c.a_ratio is not None:  # a's rows at another ratio, moved into b's column
+        moved = [{**r, "label": c.a_label, "compression_ratio": c.column[1]} for r in rows
+                 if r["label"] == c.a and row_column(r) == ("r", c.a_ratio)]  # fmt: skip
+        rows = moved + [r for r in rows if r["label"] == c.b]
+    return _try(rows, c.a_label, c.b, c.column, list(c.tasks) if c.tasks else None, c.min_samples)
+
+
+def _p(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.0005 else "<0.001"
+
+
+def verdicts_table(sources: dict[str, list[dict]], families: Sequence[Family] = FAMILIES) -> list[str]:
+    """One row per comparison of every family: a and b's means, a − b [95% CI], its bootstrap p, the
+    Holm-adjusted p within the family, and (on the family's first row) the verdict by the rule."""
+    lines = [
+        "| paper | family (setting here) | a − b | a vs b | a − b [95% CI] | tasks | p | Holm p | verdict "
+        "| provisional until |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family in families:
+        measured = [_measure(sources, c) for c in family.comparisons]
+        done = [m for m in measured if m is not None]
+        adjusted = iter(holm_adjust([m.p_value for m in done]))
+        holm = [None if m is None else next(adjusted) for m in measured]
+        findings = [
+            None if m is None else (c.direction, m.difference.mean, h)
+            for c, m, h in zip(family.comparisons, measured, holm, strict=True)
+        ]
+        verdict = f"**{family_verdict(findings)}**"
+        for i, (c, m, h) in enumerate(zip(family.comparisons, measured, holm, strict=True)):
+            head = f"| {family.paper} | {family.setting} | " if i == 0 else "| | | "
+            sign = "" if c.direction > 0 else " (lower is better)"
+            if m is None:
+                cells = "not run | – | – | – | – | –"
+            else:
+                scale, digits = SOURCE_FORMAT[c.source]
+                d = m.difference
+                mean, low, high = (f"{scale * x:+.{digits}f}" for x in (d.mean, d.low, d.high))
+                cells = (
+                    f"{scale * m.a.mean:.{digits}f} vs {scale * m.b.mean:.{digits}f} | "
+                    f"{mean} [{low}, {high}] | {len(m.tasks)} | {_p(m.p_value)} | {_p(h)}"
+                )
+            tail = f"{verdict} | {family.pending or '–'} |" if i == 0 else " | |"
+            lines.append(head + f"{c.name}{sign} | {cells} | {tail}")
+    return lines
+
+
+def over_budget(rows: list[dict], methods: Sequence[str]) -> list[str]:
+    """Per method: rows whose kept entries (summed over layers and heads) exceed budget × layers ×
+    heads, and the kept entries over the budget's (largest, mean), from the rows' ``budgets``."""
+    lines = [
+        "| method | rows over the budget | of rows | kept / budget, largest | mean |",
+        "|---|---|---|---|---|",
+    ]
+    for method in methods:
+        shares = []
+        for r in rows:
+            if r["label"] != method or not r.get("budgets") or r.get("budget") is None:
+                continue
+            kept = r["budgets"]
+            shares.append(sum(map(sum, kept)) / (r["budget"] * len(kept) * len(kept[0])))
+        if not shares:
+            continue
+        over = [x for x in shares if x > 1 + 1e-9]
+        largest, mean = max(shares), statistics.mean(shares)
+        lines.append(f"| {method} | {len(over)} | {len(shares)} | {largest:.3f}× | {mean:.3f}× |")
+    return lines
+
+
 def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every table of docs/claims.md by name (the name of its ``<!-- claims:NAME -->`` block)."""
     rows = [r for r in load_rows(args.leaderboard / "results.jsonl") if r.get("error") is None]
@@ -215,6 +452,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]
     out["lava-baselines"] = pairs_table(rows, [("lava", b) for b in base])
     ablations = [("lava", b) for b in ("lava-uniform", "lava-nohead", "lava-pyramid")]
+    ablations += [("lava-pyramid", "lava-uniform")]  # the paper's Table 9 pair
     out["lava-ablations"] = pairs_table(rows, ablations)
     out["lava-ablations-code"] = pairs_table(rows, ablations, tasks=["lcc"])
     out["lava-ablations-extraction"] = pairs_table(rows, ablations, tasks=extraction)
@@ -263,7 +501,17 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-every-ratio"] = pairs_table(rows, laq, tasks=EVERY_RATIO)
+    ruler = sorted({r["task"] for r in rows if r.get("family") == RULER_FAMILY})
+    out["laq-ruler"] = pairs_table(rows, [("laq++", "snapkv"), ("laq", "snapkv")], tasks=ruler)
+    out["laq-lcc"] = pairs_table(rows, [("laq", "snapkv"), ("laq++", "snapkv")], tasks=["lcc"])
     out["laq-overhead"] = laq_overhead(rows)
+    pyramids = ("pyramidkv", "ada-pyramidkv", "lava-pyramid", "pyramidinfer", "asl-fullkv")
+    out["over-budget"] = over_budget(rows, pyramids)
+    sources = {"leaderboard": rows}
+    if has_results(args.d2o_longgen):
+        sources["d2o-longgen-kl"] = kl_rows(load_rows(args.d2o_longgen / "results.jsonl"))
+        out["d2o-longgen"] = d2o_longgen(sources["d2o-longgen-kl"])
+    out["verdicts"] = verdicts_table(sources)
     out.update(agnostic_blocks(args.agnostic, rows))
     return out
 
@@ -469,6 +717,7 @@ def main() -> None:
     parser.add_argument("--dtype-check", type=Path, default=Path("lab/results/dtype-check"))
     parser.add_argument("--agnostic", type=Path, default=Path("lab/results/leaderboard-agnostic"))
     parser.add_argument("--ea-floor", type=Path, default=Path("lab/results/ea-kvpress"))
+    parser.add_argument("--d2o-longgen", type=Path, default=Path("lab/results/claims-d2o-longgen"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard.md)",

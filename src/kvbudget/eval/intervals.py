@@ -16,11 +16,11 @@ interval. All-equal values give a zero-width interval; one sample gives its own 
 
 :func:`bootstrap_p_value_over_groups` — the two-sided p-value of "the mean over groups is 0" from the
 same resamples (same seed, same draws) as :func:`bootstrap_mean_over_groups`'s interval: the test that
-the percentile interval inverts (Efron & Tibshirani 1993, §15.4; Davison & Hinkley, *Bootstrap
-Methods and their Application*, 1997, §4.4). With ``c`` the number of resampled means on the side of
-0 where fewer fall (a mean within ``1e-12`` of 0 counts on both sides), ``p = min(1, 2 (c + 1) /
-(resamples + 1))``: never 0 (the smallest is ``2 / (resamples + 1)``), and below ``1 − level``
-exactly where the interval at ``level`` excludes 0, up to one resample at the boundary.
+the percentile interval inverts (p is about the smallest ``1 − level`` whose interval reaches 0). With
+``c`` the number of resampled means on the side of 0 where fewer fall (a mean within ``1e-12`` of 0
+counts on both sides), ``p = min(1, 2 (c + 1) / (resamples + 1))``: never 0 (the smallest is
+``2 / (resamples + 1)``, 0.001 at 2,000 resamples), and below ``1 − level`` where the interval at
+``level`` excludes 0, up to one resample at the boundary.
 """
 
 from __future__ import annotations

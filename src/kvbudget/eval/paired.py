@@ -10,15 +10,27 @@ same), with the stratified percentile bootstrap of
 each task, the same resample for both methods).
 
 A difference whose interval excludes 0 is a measured win; one whose interval holds 0 is not.
+
+Each difference also carries its two-sided p-value (:attr:`PairedDifference.p_value`, from the same
+bootstrap resamples as its interval: :func:`~kvbudget.eval.intervals.bootstrap_p_value_over_groups`).
+Several comparisons read as one family — a claim naming several baselines — are corrected for
+multiplicity by :func:`holm_adjust` (Holm–Bonferroni), so that the chance of any false win in the
+family stays at the level, not at the level per comparison.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbudget.errors import KVBudgetError
-from kvbudget.eval.intervals import DEFAULT_RESAMPLES, Interval, bootstrap_mean_over_groups
+from kvbudget.eval.intervals import (
+    DEFAULT_RESAMPLES,
+    Interval,
+    bootstrap_mean_over_groups,
+    bootstrap_p_value_over_groups,
+)
 
 #: A column: ``("r", ratio)`` or ``("B", entries per KV head)``.
 Column = tuple[str, float]
@@ -27,12 +39,14 @@ Column = tuple[str, float]
 @dataclass(frozen=True)
 class PairedDifference:
     """``a`` and ``b``'s mean scores over ``tasks`` on their shared samples, and the paired
-    difference ``a − b`` (each with its interval; ``n`` = shared samples)."""
+    difference ``a − b`` (each with its interval; ``n`` = shared samples) with its two-sided
+    bootstrap p-value (``a − b = 0``; the same resamples as ``difference``'s interval)."""
 
     a: Interval
     b: Interval
     difference: Interval
     tasks: tuple[str, ...]
+    p_value: float
 
     @property
     def verdict(self) -> str:
@@ -89,10 +103,36 @@ def paired_difference(
     def interval(values: list[list[float]]) -> Interval:
         return bootstrap_mean_over_groups(values, resamples=resamples)
 
-    # one seed for all three: the same resampled samples for a, b and their difference
+    differences = [[x - y for x, y in g] for g in groups]
+    # one seed for all: the same resampled samples for a, b, their difference and its p-value
     return PairedDifference(
         a=interval([[x for x, _ in g] for g in groups]),
         b=interval([[y for _, y in g] for g in groups]),
-        difference=interval([[x - y for x, y in g] for g in groups]),
+        difference=interval(differences),
         tasks=names,
+        p_value=bootstrap_p_value_over_groups(differences, resamples=resamples),
     )
+
+
+def holm_adjust(p_values: Sequence[float]) -> list[float]:
+    """Holm–Bonferroni adjusted p-values of one family of ``m`` comparisons, in the input order.
+
+    Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6 (1979)
+    65–70: order the p-values
+    ``p_(1) ≤ … ≤ p_(m)``; the ``i``-th adjusted value is ``max_{j ≤ i} min(1, (m − j + 1) · p_(j))``.
+    Rejecting every hypothesis whose adjusted p is below ``α`` is the step-down test (reject while
+    ``p_(i) < α / (m − i + 1)``, stop at the first that is not) and keeps the chance of rejecting
+    any true hypothesis of the family at most ``α``, whatever their dependence. Tied p-values keep
+    their input order. An empty family gives an empty list.
+    """
+    for p in p_values:
+        if not 0.0 <= p <= 1.0:
+            raise KVBudgetError(f"p-values must be in [0, 1], got {p!r}")
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted

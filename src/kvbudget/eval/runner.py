@@ -56,7 +56,7 @@ from kvbudget.eval.sample import Sample
 from kvbudget.eval.store import ResultStore, config_key
 from kvbudget.eval.tasks import get_task
 from kvbudget.eval.tasks.base import TaskSpec
-from kvbudget.eval.tasks.perplexity import chunked_perplexity
+from kvbudget.eval.tasks.perplexity import CONTEXT_SHARE, chunked_perplexity, scored_from
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method, method_names
 from kvbudget.methods.spec import MethodSpec
@@ -214,6 +214,8 @@ class Runner:
         }  # fmt: skip
         if ratio is not None:
             fields["compression_ratio"] = ratio
+        if task.family == "perplexity":  # rows scored on another span are other rows
+            fields["context_share"] = CONTEXT_SHARE
         return config_key(fields)
 
     def run(self) -> Path:
@@ -354,9 +356,11 @@ class Runner:
         )
 
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, emit) -> None:
-        """Perplexity rows: score = perplexity of the passage with the cache held at the budget."""
+        """Perplexity rows: score = perplexity of the passage with the cache held at the budget, every
+        run (the full cache's too) scored on the same tokens, from :func:`scored_from` on."""
         ids = torch.tensor([self.tokenizer(sample.context, add_special_tokens=False)["input_ids"]])
-        full = chunked_perplexity(self.model, ids, make_method("full"), None)
+        first_scored = scored_from(ids.shape[1])
+        full = chunked_perplexity(self.model, ids, make_method("full"), None, first_chunk=first_scored)
         for run in pending:
             spec, budget, ratio = run
             entries = budget if ratio is None else ratio_budget(ratio, ids.shape[1])  # of the whole passage
@@ -364,13 +368,17 @@ class Runner:
             start = time.perf_counter()
             try:
                 method = spec.build()
-                result = full if spec.name == "full" else chunked_perplexity(self.model, ids, method, entries)
+                result = (
+                    full if spec.name == "full"
+                    else chunked_perplexity(self.model, ids, method, entries, first_chunk=first_scored)
+                )  # fmt: skip
             except Exception as err:
                 emit(self._error_row(task, length, index, sample, run, entries, err))
                 continue
             row.update(
                 prediction="", score=result.perplexity, full_score=full.perplexity, nll=result.nll,
-                scored_tokens=result.tokens, max_entries_per_head=result.max_entries_per_head,
+                scored_tokens=result.tokens, scored_from=first_scored,
+                max_entries_per_head=result.max_entries_per_head,
                 prompt_tokens=ids.shape[1], seconds=time.perf_counter() - start, error=None,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"),
             )  # fmt: skip

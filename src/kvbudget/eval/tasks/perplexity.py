@@ -13,6 +13,10 @@ The text is read in chunks of ``chunk`` tokens; each chunk's tokens are predicte
 
 Deviation from token-by-token evaluation: chunks of 32 tokens (default) see each other causally
 without eviction inside the chunk — 32× fewer forwards on a CPU; ``chunk=1`` is exact.
+
+In the evaluation every method of a passage, the full cache included, scores the same tokens: those
+from :func:`scored_from` on (the passage's second half), whatever its budget. A perplexity is only
+comparable with another on the same tokens — the early ones, with little context, are harder.
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ from kvbudget.methods.base import Method, RunState
 from kvbudget.methods.profiled import ProfiledMethod
 from kvbudget.prefill.common import PrefillInputs
 from kvbudget.session import CompressionSession, Phase
+
+#: Share of each evaluation passage that is context only and never scored (:func:`scored_from`).
+CONTEXT_SHARE = 0.5
+
+
+def scored_from(length: int, chunk: int = 32) -> int:
+    """The first scored position of a ``length``-token passage in the evaluation, the same for every
+    method and budget: ``⌊length · CONTEXT_SHARE⌋``, at least one ``chunk`` and at most ``length − 1``.
+
+    :func:`chunked_perplexity`'s own default (``first_chunk`` = the budget) would score a different
+    span per budget — the last ``length − budget`` tokens, and for the full cache every token after
+    the first chunk — so the evaluation passes this as ``first_chunk`` to every run of a passage.
+    """
+    return max(chunk, min(int(length * CONTEXT_SHARE), length - 1))
 
 
 @lru_cache(maxsize=2)

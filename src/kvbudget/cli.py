@@ -186,12 +186,9 @@ def generate(
 
     context = check.text_file(context_file, "context file")
     method_obj = make_method(method, **parse_options(opt or []))
-    if budget is not None and budget <= 0:
-        raise BudgetError(f"--budget must be a positive integer (entries per KV head), got {budget}")
-    if ratio is not None and not 0.0 < ratio <= 1.0:
-        raise BudgetError(f"--ratio must be in (0, 1] (the fraction of the prompt kept), got {ratio}")
-    if budget is not None and ratio is not None:
-        raise BudgetError(f"give either --budget or --ratio, not both (got {budget} and {ratio})")
+    from kvbudget.engine import check_size
+
+    check_size(budget, ratio, "--")
     check.at_least(max_new_tokens, 1, "--max-new-tokens")
     dtype = check.dtype(dtype)
     check.model_source(model)
@@ -611,12 +608,9 @@ def serve(
     from kvbudget.units import format_bytes, parse_size
 
     cap = parse_size(memory_cap)
-    if budget is not None and budget <= 0:
-        raise BudgetError(f"--budget must be a positive integer (entries per KV head), got {budget}")
-    if ratio is not None and not 0.0 < ratio <= 1.0:
-        raise BudgetError(f"--ratio must be in (0, 1] (the fraction of the prompt kept), got {ratio}")
-    if budget is not None and ratio is not None:
-        raise BudgetError(f"give either --budget or --ratio, not both (got {budget} and {ratio})")
+    from kvbudget.engine import check_size
+
+    check_size(budget, ratio, "--")
     check.at_least(max_queue, 1, "--max-queue")
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}")

@@ -120,6 +120,17 @@ def build_prompt(
     return Prompt(head_ids, tail_ids, marked)
 
 
+def check_size(budget: int | None, ratio: float | None, flag: str = "") -> None:
+    """One-line :class:`BudgetError` unless ``budget`` (entries per KV head, > 0) or ``ratio`` (the
+    fraction kept, in (0, 1]), or neither, is given; ``flag`` prefixes the names (``"--"`` for the CLI)."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise BudgetError(f"{flag}budget must be a positive integer (entries per KV head), got {budget!r}")
+    if ratio is not None and not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+        raise BudgetError(f"{flag}ratio must be in (0, 1] (the fraction of the prompt kept), got {ratio!r}")
+    if budget is not None and ratio is not None:
+        raise BudgetError(f"give either {flag}budget or {flag}ratio, not both (got {budget} and {ratio})")
+
+
 def check_budget(method: Method, budget: int | None, ratio: float | None, max_context: int) -> None:
     if budget is not None and ratio is not None:
         raise BudgetError("give either budget or ratio, not both")

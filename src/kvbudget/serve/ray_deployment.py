@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbudget.errors import BudgetError, InputError, MissingExtraError
+from kvbudget.engine import check_size
+from kvbudget.errors import InputError, MissingExtraError
 from kvbudget.extras import extra_hint, needs_extra, require_extra
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.batcher import Compression
@@ -161,12 +162,7 @@ def replica_config(
     cap = memory_cap if isinstance(memory_cap, int) else parse_size(memory_cap)
     if cap <= 0:
         raise InputError(f"memory_cap must be positive, got {memory_cap} bytes")
-    if budget is not None and budget <= 0:
-        raise BudgetError(f"budget must be a positive integer (entries per KV head), got {budget}")
-    if ratio is not None and not 0.0 < ratio <= 1.0:
-        raise BudgetError(f"ratio must be in (0, 1] (the fraction of the prompt kept), got {ratio}")
-    if budget is not None and ratio is not None:
-        raise BudgetError(f"give either budget or ratio, not both (got {budget} and {ratio})")
+    check_size(budget, ratio)
     if max_queue < 1:
         raise InputError(f"max_queue must be at least 1, got {max_queue}")
     if dtype not in DTYPES:

@@ -744,6 +744,13 @@ class BudgetCache(Cache):
         )
 
 
+def model_entry_bytes(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of one cache entry (a key and a value of one token in one KV head) of a model with
+    ``config`` run in ``dtype``."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * head_dim * dtype.itemsize
+
+
 def full_cache_stats(num_layers: int, num_kv_heads: int, length: int, entry_bytes: int) -> CacheStats:
     """What an uncompressed cache of ``length`` tokens holds (the "before" of a compression)."""
     entries = torch.full((num_layers, num_kv_heads), length, dtype=torch.long)

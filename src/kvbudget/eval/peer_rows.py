@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbudget.cache import model_entry_bytes
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.report import PEER_PREFIX as PREFIX  # every kvpress row's method and label start so
 
@@ -380,8 +381,7 @@ def run_peer_rows(
     config = runner.config  # normalised (dtype, ratios) as the runner keys its rows
     lm_config = runner.model.config
     layers, heads = lm_config.num_hidden_layers, lm_config.num_key_value_heads
-    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
-    entry_bytes = 2 * head_dim * runner.model.dtype.itemsize  # one key and one value
+    entry_bytes = model_entry_bytes(lm_config, runner.model.dtype)  # one key and one value
     model_dir = resolve_source(config.model)
     jobs = make_jobs(names, config.compression_ratios, question_aware=not config.compress_context_only)
     specs = [PressSpec.of(job["method"].removeprefix(PREFIX)) for job in jobs]

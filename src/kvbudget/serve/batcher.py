@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from kvbudget.cache import BudgetCache
+from kvbudget.cache import BudgetCache, model_entry_bytes
 from kvbudget.engine import next_token, prefill
 from kvbudget.errors import InputError
 from kvbudget.joined_cache import JoinedCache
@@ -209,13 +209,6 @@ def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int]:
     return tokens
 
 
-def entry_bytes(model: PreTrainedModel) -> int:
-    """Bytes of one cache entry (a key and a value of one token in one KV head)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * head_dim * torch.empty((), dtype=model.dtype).element_size()
-
-
 def _with_room(n: int) -> int:
     """Slots a head's storage has once it holds ``n`` entries, at most (the cache grows storage by
     ``max(32, n / 16)`` slots: :meth:`kvbudget.cache._Storage.append`)."""
@@ -256,7 +249,7 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     config = model.config
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
     n, answer = len(seq.prompt_ids), seq.max_tokens
-    per_entry = entry_bytes(model)
+    per_entry = model_entry_bytes(config, model.dtype)
     whole_layer = heads * _with_room(n + answer)
     method, comp = seq.method, seq.compression
     if (

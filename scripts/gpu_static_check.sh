@@ -1,8 +1,10 @@
 #!/bin/bash
 # The static-decode measurements of docs/gpu.md ("Static decode") in one call on a lent GPU:
-# the static path's device tests, then scripts/static_decode_probe.py. Writes to $OUT (default
-# runs/gpu-static). On a machine without network, .gpu/whl holds the transformers wheel.
-#   bash scripts/gpu_static_check.sh            # PROBE_S (default 330) caps the probe
+# the static path's device tests, scripts/static_decode_probe.py, then `kvbudget bench --decode static`
+# on the 7B random-weight model at 32K (BENCH_METHODS). Writes to $OUT (default runs/gpu-static).
+# On a machine without network, .gpu/ holds what scripts/gpu_check.sh describes.
+#   bash scripts/gpu_static_check.sh   # PROBE_S (default 330) and BENCH_S (240) cap the steps;
+#   PROBE_SKIP=compiled,dynamic        # leaves probe phases out; BENCH_S=0 skips the bench
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-runs/gpu-static}
 mkdir -p "$OUT"
@@ -21,5 +23,19 @@ timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py --de
   > "$OUT/tests.log" 2>&1
 echo "tests rc=$?" >> "$OUT/gpu.txt"
 S=${PROBE_S:-330}
-timeout $((S + 30)) $PY scripts/static_decode_probe.py --out "$OUT" --deadline-s "$S" > "$OUT/probe.log" 2>&1
-echo "probe rc=$?" >> "$OUT/gpu.txt"
+if [ "$S" -gt 0 ]; then
+  timeout $((S + 30)) $PY scripts/static_decode_probe.py --out "$OUT" --deadline-s "$S" \
+    --skip "${PROBE_SKIP:-}" > "$OUT/probe.log" 2>&1
+  echo "probe rc=$?" >> "$OUT/gpu.txt"
+fi
+B=${BENCH_S:-240}
+if [ "$B" -gt 0 ]; then
+  MODEL=.gpu/qwen7b
+  [ -d "$MODEL" ] || { MODEL=runs/qwen2.5-7b; $PY scripts/random_model_dir.py "$MODEL" --max-positions 131072; }
+  [ -d .gpu/home ] && export KVBUDGET_HOME=$PWD/.gpu/home
+  timeout "$B" $PY -c "from kvbudget.cli import app; app()" bench --model "$MODEL" --random-weights \
+    --dtype bfloat16 --device cuda --methods "${BENCH_METHODS:-full,snapkv,ada-snapkv,lava,cake,d2o}" \
+    --budgets 4096 --lengths 32768 --repeats 1 --new-tokens 32 --decode static --out "$OUT/bench" \
+    > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?" >> "$OUT/gpu.txt"
+fi

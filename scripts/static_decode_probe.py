@@ -227,6 +227,10 @@ def attention_rows(rows: Rows, config, length: int, ratio: float) -> None:
         for i in range(layers):
             attend_static(q, cache, i, scale)
 
+    def static_grouped() -> None:
+        for i in range(layers):
+            attend_static(q, cache, i, scale, grouped_queries=True)
+
     def gqa_mask() -> None:
         for i in range(layers):
             mask = (cache._slots[i] < cache.lengths[i][..., None])[:, :, None, :]
@@ -248,7 +252,8 @@ def attention_rows(rows: Rows, config, length: int, ratio: float) -> None:
                 ]
                 torch.cat(outs, dim=1)
 
-    variants = {"static-sdpa": static, "gqa-mask": gqa_mask, "per-head-loop": per_head}
+    variants = {"static-sdpa": static, "static-grouped": static_grouped, "gqa-mask": gqa_mask,
+                "per-head-loop": per_head}  # fmt: skip
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -287,13 +292,14 @@ def attention_rows(rows: Rows, config, length: int, ratio: float) -> None:
             torch.tensor([0] + torch.cumsum(lens[i][0], 0).tolist(), dtype=torch.int32, device=DEV)
             for i in range(layers)
         ]
-        cu_q = torch.arange(hk + 1, dtype=torch.int32, device=DEV)
-        qv = q.reshape(hk, group, d)
+        # the query group as that sequence's ``group`` query tokens, one head (no enable_gqa needed)
+        cu_q = group * torch.arange(hk + 1, dtype=torch.int32, device=DEV)
+        qv = q.reshape(hk * group, 1, d)
         max_k = [int(lens[i].max()) for i in range(layers)]
 
         def varlen() -> None:
             for i in range(layers):
-                varlen_attn(qv, flat_k[i], flat_v[i], cu_q, cu_k[i], 1, max_k[i], enable_gqa=True)
+                varlen_attn(qv, flat_k[i], flat_v[i], cu_q, cu_k[i], group, max_k[i])
 
         variants["varlen"] = varlen
     except Exception as exc:

@@ -304,6 +304,25 @@ def test_random_model_dir_writes_a_config_and_a_tokenizer(tmp_path: Path) -> Non
         assert failed.returncode == 2 and message in failed.stderr and failed.stderr.count("\n") == 1
 
 
+def test_report_shows_the_steady_tpot_when_a_graph_was_set_up() -> None:
+    """Static rows carry the graph's one-off setup apart: the table adds the steady TPOT and the
+    setup; rows written before those keys existed aggregate as eager rows (steady = TPOT)."""
+    static = _run("snapkv", 1024, 64, 0, 0.02, tpot_steady_s=0.008, static_setup_s=0.4)
+    rows = {r["method"]: r for r in aggregate([static, _run("full", 1024, 64, 0, 0.05)], bandwidth=None)}
+    assert rows["snapkv"]["tpot_steady_s"] == 0.008 and rows["snapkv"]["static_setup_s"] == 0.4
+    assert rows["full"]["tpot_steady_s"] == 0.05 and rows["full"]["static_setup_s"] == 0.0
+    config = {"model": "m", "dtype": "bfloat16", "new_tokens": 8, "repeats": 1, "threads": None}
+    text = markdown({"machine": {}, "config": config, "rows": list(rows.values())})
+    assert "steady TPOT ms | graph setup s" in text
+    assert "| 20.0 (20.0–20.0) | 8.0 | 0.40 |" in text
+    header, rule = [
+        line for line in text.splitlines() if line.startswith("| method") or line.startswith("|---")
+    ][:2]
+    assert header.count("|") == rule.count("|")
+    eager = markdown({"machine": {}, "config": config, "rows": [rows["full"]]})
+    assert "steady TPOT" not in eager
+
+
 def test_worker_decodes_statically_when_asked_and_keys_it_apart(tmp_path: Path) -> None:
     """``decode="static"``: the row says which path ran (eager, with the reason, for a method that
     evicts while decoding); eager rows keep the keys they had before the option existed."""
@@ -312,6 +331,8 @@ def test_worker_decodes_statically_when_asked_and_keys_it_apart(tmp_path: Path) 
     row = run_worker(MeasureSpec(method="snapkv", **base), threads=1)
     assert "error" not in row, row.get("error")
     assert row["decode_path"] == "static" and row["decode_steps"] == 2
+    assert row["static_setup_s"] > 0  # the move into static buffers (no graph on the CPU)
+    assert row["tpot_steady_s"] == pytest.approx((2 * row["tpot_s"] - row["static_setup_s"]) / 2)
     h2o = run_worker(MeasureSpec(method="h2o", **base), threads=1)
     assert h2o["decode_path"] == "eager" and "evicts while decoding" in h2o["static_refusal"]
     static = MeasureSpec(decode="static")

@@ -35,6 +35,17 @@ def test_run_times_of_a_session_and_a_decode_take_their_parts():
     )
 
 
+def test_the_steady_step_time_leaves_the_static_setup_out():
+    """A graph's warm-up and capture (the first two steps and the move into static buffers) are
+    one-off: the steady step time is the rest over the rest."""
+    decoded = Decoded([[1]], steps=12, seconds=1.3, setup_seconds=0.3, setup_steps=2)
+    assert decoded.steady_step_seconds == pytest.approx(0.1)
+    assert Decoded([[1]], steps=4, seconds=2.0).steady_step_seconds == 0.5  # eager: every step
+    assert math.isnan(
+        Decoded([[1]], steps=2, seconds=1.0, setup_seconds=1.0, setup_steps=2).steady_step_seconds
+    )
+
+
 def test_generate_reports_times_that_add_up(llama, chat_tokenizer):
     context = " ".join(f"word{i}" for i in range(60))
     result = generate(

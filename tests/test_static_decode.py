@@ -40,21 +40,42 @@ def _reference_attention(q, keys, values, lengths, scale):
     return out
 
 
-def test_static_attention_equals_the_definition() -> None:
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-queries", "query-heads"])
+def test_static_attention_equals_the_definition(grouped) -> None:
+    """Both layouts of a one-token step (the CPU's and CUDA's) against the definition."""
     gen = seeded(0)
     lengths = [torch.tensor([[5, 17], [64, 1]])]
-    cache = StaticBudgetCache.allocate(lengths, 8, new_tokens=3, dtype=torch.float32, device="cpu")
+    cache = StaticBudgetCache.allocate(
+        lengths, 8, new_tokens=3, dtype=torch.float32, device=torch.get_default_device()
+    )
     cache.keys[0].normal_(generator=gen)
     cache.values[0].normal_(generator=gen)
     q = torch.randn(2, 6, 1, 8, generator=gen)
-    out = attend_static(q, cache, 0, 0.3)
+    out = attend_static(q, cache, 0, 0.3, grouped_queries=grouped)
     expected = _reference_attention(q, cache.keys[0], cache.values[0], cache.lengths[0], 0.3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_both_layouts_agree_under_a_sliding_window() -> None:
+    gen = seeded(5)
+    lengths = [torch.tensor([[15, 17], [64, 12]])]
+    cache = StaticBudgetCache.allocate(
+        lengths, 8, new_tokens=1, dtype=torch.float32, device=torch.get_default_device(), seen=20
+    )
+    cache.keys[0].normal_(generator=gen)
+    cache.values[0].normal_(generator=gen)
+    q = torch.randn(2, 6, 1, 8, generator=gen)
+    grouped = attend_static(q, cache, 0, 0.3, window=12, grouped_queries=True)
+    per_head = attend_static(q, cache, 0, 0.3, window=12, grouped_queries=False)
+    torch.testing.assert_close(per_head, grouped, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(grouped, attend_static(q, cache, 0, 0.3, grouped_queries=True))
+
+
 def test_update_writes_each_head_at_its_length_and_respects_the_room() -> None:
     lengths = [torch.tensor([[2, 5]])]
-    cache = StaticBudgetCache.allocate(lengths, 4, new_tokens=1, dtype=torch.float32, device="cpu", seen=9)
+    cache = StaticBudgetCache.allocate(
+        lengths, 4, new_tokens=1, dtype=torch.float32, device=torch.get_default_device(), seen=9
+    )
     new_k = torch.ones(1, 2, 1, 4)
     cache.reserve(1)
     cache.update(new_k, 2 * new_k, 0)
@@ -83,7 +104,7 @@ def _decode_reference(model, cache, token, mask, rope):
 def test_static_decoding_equals_todays_path(name) -> None:
     """Two rows of different lengths (left padding), compressed by ``name``, then six greedy steps."""
     model = tiny_model("llama")
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     ids = torch.randint(5, 96, (2, 64), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # the second row is 55 tokens, left-padded
@@ -113,7 +134,9 @@ def test_the_static_step_reads_nothing_back_from_the_device(monkeypatch) -> None
     model = tiny_model("qwen2")
     lengths = [torch.tensor([[7, 3]])] * model.config.num_hidden_layers
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    static = StaticBudgetCache.allocate(lengths, head_dim, 4, torch.float32, "cpu", seen=20)
+    static = StaticBudgetCache.allocate(
+        lengths, head_dim, 4, torch.float32, torch.get_default_device(), seen=20
+    )
     for k, v in zip(static.keys, static.values, strict=True):
         k.normal_(generator=seeded(2))
         v.normal_(generator=seeded(3))
@@ -141,7 +164,7 @@ def test_the_captured_step_equals_eager_steps_and_never_syncs(request) -> None:
     if target.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
     model = tiny_model("llama").to(target)
-    ids = torch.randint(5, 96, (2, 64), generator=torch.Generator().manual_seed(4)).to(target)
+    ids = torch.randint(5, 96, (2, 64), generator=seeded(4)).to(target)
     compressed = kvbudget.compress(model, ids[:, :-1], method=small("ada-snapkv"), budget=12)
     eager = StaticDecoder(
         model, StaticBudgetCache.from_budget_cache(compressed, STEPS), ids[:, -1], graph=False

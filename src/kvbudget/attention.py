@@ -208,6 +208,7 @@ def attend_static(
     scaling: float,
     window: int | None = None,
     softcap: float | None = None,
+    grouped_queries: bool | None = None,
 ) -> torch.Tensor:
     """Exact attention of ``query: [b, q_heads, q, d]`` over a static layer, in one call.
 
@@ -217,7 +218,15 @@ def attend_static(
     ``q`` new tokens (already written by :meth:`StaticBudgetCache.update`) sees the slots before
     ``length − q + 1 + t``; a sliding ``window`` also drops entries whose position is at most the
     query's position − window. Returns ``[b, q_heads, q, d_v]``.
+
+    ``grouped_queries`` picks the layout of a one-token step (``None``: by device). ``False`` keeps
+    each query head its own row (``[b, q_heads, 1, d]``, the KV heads shared through SDPA's
+    ``enable_gqa``, the length mask repeated over each group): the faster on CUDA. ``True`` is the
+    grouped layout above, the one used on the CPU. Both are exact; steps of several tokens and
+    soft-capping always use the grouped one.
     """
+    if grouped_queries is None:
+        grouped_queries = query.device.type != "cuda"
     keys, values = cache.keys[layer_idx], cache.values[layer_idx]
     b, q_heads, q, d = query.shape
     heads = keys.shape[1]
@@ -235,6 +244,14 @@ def attend_static(
             seen_at = (cache.seen[:, None, None] + step)[..., None]  # [b, 1, q, 1] query positions
             mask = mask & (cache.positions[layer_idx][:, :, None, :] > seen_at - window)
         mask = mask[:, :, None].expand(b, heads, group, q, slots.numel()).reshape(b, heads, group * q, -1)
+    if softcap is None and q == 1 and group > 1 and grouped_queries is False:
+        # each query head its own row, the KV heads shared (enable_gqa): on CUDA, SDPA then runs a
+        # kernel with a grid over the query heads and a split over the entries, where the grouped
+        # layout's few long rows run on a handful of SMs (7x slower on an H200, docs/gpu.md)
+        per_head = mask.expand(b, heads, group, slots.numel()).reshape(b, q_heads, 1, -1)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=per_head, scale=scaling, enable_gqa=True
+        )
     if softcap is not None:
         out = softcapped_attention(grouped, keys, values, mask, scaling, softcap)
     else:

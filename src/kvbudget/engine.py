@@ -191,6 +191,8 @@ class Decoded:
     choosing the first token from the prompt's logits.
     ``trace[r]``: row ``r``'s total logical entries after each decode step that fed it a token.
     ``step_seconds[i]``: wall time of decode step ``i`` (its forward and the choice of its token).
+    ``setup_seconds``: the static path's one-off work inside ``seconds`` — moving the cache into
+    static buffers and the first ``setup_steps`` steps (on CUDA the eager warm-up and the capture).
     """
 
     generated: list[list[int]]
@@ -199,6 +201,15 @@ class Decoded:
     trace: list[list[int]] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     first_token_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    setup_steps: int = 0
+
+    @property
+    def steady_step_seconds(self) -> float:
+        """Mean seconds of the steps after the static path's setup (all steps on the eager path;
+        NaN when none ran)."""
+        steps = self.steps - self.setup_steps
+        return (self.seconds - self.setup_seconds) / steps if steps > 0 else math.nan
 
 
 @dataclass
@@ -281,7 +292,7 @@ def decode_loop(
         if bool(finished.all()):
             break
         step_start = time.perf_counter()
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], 1)
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], 1)
         last_pos = last_pos + 1
         logits = forward_last_logits(model, token[:, None], mask, last_pos[:, None], cache)
         token = next_token(logits, temperature, top_p, generator)
@@ -325,14 +336,19 @@ def static_decode_loop(
         return Decoded(generated, 0, 0.0, [[] for _ in first], [], first_token_seconds)
     start = time.perf_counter()
     static = StaticBudgetCache.from_budget_cache(cache, steps, rope=last_pos.to(torch.long) + 1)
-    tokens = StaticDecoder(model, static, token).run(steps).tolist()
+    decoder = StaticDecoder(model, static, token)
+    moved = time.perf_counter() - start
+    tokens = decoder.run(steps).tolist()
     seconds = time.perf_counter() - start
     for row, more in zip(generated, tokens, strict=True):
         for t in more:
             if row[-1] in eos:
                 break
             row.append(t)
-    return Decoded(generated, steps, seconds, [[] for _ in first], [], first_token_seconds)
+    setup = moved + decoder.setup_seconds
+    return Decoded(
+        generated, steps, seconds, [[] for _ in first], [], first_token_seconds, setup, decoder.setup_steps
+    )
 
 
 def _row_entries(cache: BudgetCache) -> list[int]:

@@ -15,6 +15,7 @@ own decode policy and are not served by this path.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -66,6 +67,8 @@ class StaticDecoder:
         self.logits: torch.Tensor | None = None
         self.use_graph = device.type == "cuda" if graph is None else graph
         self._graph: torch.cuda.CUDAGraph | None = None
+        #: what :meth:`run` spent before its steps settled: the eager warm-up and the capture
+        self.setup_seconds, self.setup_steps = 0.0, 0
         attach(model)
 
     @torch.inference_mode()
@@ -121,8 +124,14 @@ class StaticDecoder:
 
     def run(self, steps: int) -> torch.Tensor:
         """``steps`` greedy tokens per row, ``[batch, steps]``: each step's token is copied into a
-        device buffer, read once at the end (one host sync for the whole run)."""
+        device buffer, read once at the end (one host sync for the whole run; with a CUDA graph one
+        more after the warm-up and the capture, which times them apart: ``setup_seconds``)."""
         out = torch.empty((self.input.shape[0], steps), dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        settle = min(steps, 2) if self.use_graph and self._graph is None else 0
         for i in range(steps):
             out[:, i : i + 1].copy_(self.step())
+            if i + 1 == settle:  # warm-up and capture done: one sync, to time them apart
+                torch.cuda.synchronize(self.device)
+                self.setup_seconds, self.setup_steps = time.perf_counter() - start, settle
         return out

@@ -25,7 +25,9 @@ from kvbudget.bench.measure import RESULT_PREFIX, MeasureSpec
 from kvbudget.errors import KVBudgetError
 
 #: figures aggregated over repeats (median, min, max)
-TIMED = ("ttft_s", "tpot_s", "compress_s", "prefill_s")
+TIMED = ("ttft_s", "tpot_s", "tpot_steady_s", "static_setup_s", "compress_s", "prefill_s")
+#: what a row written before a key existed stands for (the eager path has no setup)
+TIMED_DEFAULTS = {"tpot_steady_s": "tpot_s", "static_setup_s": None}
 SIZED = ("peak_rss_bytes", "kv_peak_bytes", "logical_bytes", "physical_bytes", "decode_kv_bytes")
 
 
@@ -149,7 +151,7 @@ def aggregate(runs: list[dict[str, Any]], bandwidth: float | None) -> list[dict[
         }
         gpu = ("gpu_peak_bytes",) if all("gpu_peak_bytes" in r for r in group) else ()  # runs on a GPU
         for key in TIMED + SIZED + gpu:
-            stats = _spread([float(r[key]) for r in group])
+            stats = _spread([float(_timed(r, key)) for r in group])
             row[key] = stats["median"] if key in TIMED else int(stats["median"])
             row[key + "_spread"] = [stats["min"], stats["max"]]
         row["compress_overhead"] = row["compress_s"] / row["prefill_s"] if row["prefill_s"] else None
@@ -160,6 +162,14 @@ def aggregate(runs: list[dict[str, Any]], bandwidth: float | None) -> list[dict[
             row["tpot_over_bound"] = row["tpot_s"] / row["tpot_bound_s"]
         rows.append(row)
     return rows
+
+
+def _timed(row: dict[str, Any], key: str) -> float:
+    """``row[key]``, or for rows written before ``key`` existed what it stands for."""
+    if key in row:
+        return row[key]
+    fallback = TIMED_DEFAULTS.get(key, key)
+    return row[fallback] if fallback is not None else 0.0
 
 
 def machine_info(bandwidth: dict[str, Any] | None) -> dict[str, Any]:

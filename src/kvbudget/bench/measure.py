@@ -174,6 +174,8 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
         **({"static_refusal": refusal} if spec.decode == "static" and refusal is not None else {}),
         "ttft_s": times.ttft,
         "tpot_s": times.tpot,
+        "tpot_steady_s": decoded.steady_step_seconds,
+        "static_setup_s": decoded.setup_seconds,
         "compress_s": times.compress,
         "prefill_s": times.prefill,
         "decode_steps": decoded.steps,

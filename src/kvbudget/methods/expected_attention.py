@@ -39,11 +39,11 @@ def average_rotation(start: int, count: int, inv_freq: torch.Tensor, dim: int) -
     """``R̄ = mean_{τ = start … start+count−1} R_τ`` as a ``[dim, dim]`` float64 matrix (identity
     beyond the rotated dims): ``R_τ x = cos(τθ)·x + sin(τθ)·rotate_half(x)``."""
     rot = 2 * inv_freq.numel()
-    cos, sin = rope_angles(torch.arange(start, start + count), inv_freq)
+    cos, sin = rope_angles(torch.arange(start, start + count, device=inv_freq.device), inv_freq)
     c, s = cos.mean(0), sin.mean(0)
-    matrix = torch.eye(dim, dtype=torch.float64)
+    matrix = torch.eye(dim, dtype=torch.float64, device=inv_freq.device)
     half = rot // 2
-    idx = torch.arange(half)
+    idx = torch.arange(half, device=inv_freq.device)
     matrix[:rot, :rot] = torch.diag(c)
     matrix[idx + half, idx] = s[half:]  # (R x)[i + half] gets  sin · x[i]
     matrix[idx, idx + half] = -s[:half]  # (R x)[i] gets −sin · x[i + half]

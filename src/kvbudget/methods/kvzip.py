@@ -291,7 +291,7 @@ class KVzip(Method):
         num_layers = len(cache.layers)
         n = cache.layers[0].keys.shape[2]
         shape = cache.layers[0].positions.shape
-        scores = [torch.zeros(shape, dtype=torch.float32) for _ in range(num_layers)]
+        scores = [torch.zeros(shape, dtype=torch.float32, device="cpu") for _ in range(num_layers)]
         anchors = [0] * len(session.targets)
         for r, target in enumerate(session.targets):
             if target is None:

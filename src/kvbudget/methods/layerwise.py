@@ -302,7 +302,7 @@ class LayerwiseMethod(Method):
             counts = self.split_for(
                 run, r, obs.layer_idx, target, scores[r], candidates, total, candidates.sum(-1).cpu()
             )
-            kept[r] = counts + protected[r].sum(-1).cpu()
+            kept[r] = counts.cpu() + protected[r].sum(-1).cpu()
         if ranks is not None:
             keep, kept = below(ranks, thresholds)
             if plan is not None:
@@ -347,9 +347,9 @@ class LayerwiseMethod(Method):
                 candidates = valid[r] & ~protected[r]
                 have = candidates.sum(-1).cpu()
                 counts = self.split_for(run, r, i, target, scores[r], candidates, rp.budgets[i], have)
-                if not torch.equal(counts, have):
+                if not torch.equal(counts.cpu(), have):
                     changed = True
-                kept[r] = counts + protected[r].sum(-1).cpu()
+                kept[r] = counts.cpu() + protected[r].sum(-1).cpu()
             if changed:
                 layer.keep(select_keep(scores, kept, valid, protected))
         if final:

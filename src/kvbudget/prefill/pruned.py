@@ -196,8 +196,8 @@ def _second_pass_inputs(inputs: PrefillInputs, selected: dict[int, torch.Tensor]
     ids, mask = inputs.ids[:, :cut], inputs.mask[:, :cut]
     keep = [selected.get(r, mask[r].nonzero().squeeze(-1)).cpu() for r in range(ids.shape[0])]
     width = max(int(k.numel()) for k in keep)
-    new_ids = torch.zeros((ids.shape[0], width), dtype=ids.dtype)
-    new_mask = torch.zeros((ids.shape[0], width), dtype=mask.dtype)
+    new_ids = torch.zeros((ids.shape[0], width), dtype=ids.dtype, device="cpu")
+    new_mask = torch.zeros((ids.shape[0], width), dtype=mask.dtype, device="cpu")
     for r, k in enumerate(keep):
         new_ids[r, width - k.numel() :] = ids[r].cpu()[k]
         new_mask[r, width - k.numel() :] = 1

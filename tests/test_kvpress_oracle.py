@@ -318,6 +318,7 @@ ORACLE_2026 = {
     "kvzip": _ratio_job("kvzip", "KVzipPress", {}, 150, 0.5),
     "kvzip:level=layer": _ratio_job("kvzip-layer", "KVzipPress", {"layerwise": True}, 150, 0.5),
     "kvzip:chunk=100": _ratio_job("kvzip-chunk", "KVzipPress", {"chunk_size": 100}, 150, 0.5),
+    "kvzip+": _ratio_job("kvzip-plus", "KVzipPress", {"kvzip_plus_normalization": True}, 150, 0.5),
 }
 
 
@@ -415,6 +416,7 @@ def test_new_methods_oracle_has_teeth(oracle_2026: dict) -> None:
     assert ea_default != oracle_2026["kept"][("s1", "ea-ada-floor")]
     assert oracle_2026["kept"][("s1", "ea-ada-floor-0.9")] != oracle_2026["kept"][("s1", "ea-ada")]
     assert oracle_2026["kept"][("s1", "kvzip-chunk")] != oracle_2026["kept"][("s1", "kvzip")]
+    assert oracle_2026["kept"][("s1", "kvzip-plus")] != oracle_2026["kept"][("s1", "kvzip")]
 
 
 # ------------------------------------------------------------------ every kvpress counterpart is compared

@@ -217,11 +217,18 @@ def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_toke
     sequence at the next step, long before ``max_tokens``: the non-streamed path cancels the job."""
     model, tokenizer = model_and_tokenizer
 
+    released = threading.Event()
+
     class CountTokens(Metrics):
+        """Counts tokens; after the first few the scheduler waits here until the request has been
+        cancelled, so a fast model cannot finish the answer before the cancel lands."""
+
         generated = 0
 
         def tokens(self, count: int) -> None:
             self.generated += count
+            if self.generated >= 3:
+                released.wait(30)
 
     metrics = CountTokens()
     scheduler = Scheduler(model, tokenizer, memory_cap=64 << 20, default=Compression("full"),
@@ -238,6 +245,7 @@ def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_toke
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request
+            released.set()
             deadline = time.monotonic() + 30  # the loop lives on, as a server's does
             while scheduler.stats()["active"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -247,6 +255,7 @@ def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_toke
         asyncio.run(ask_then_cancel())
         assert scheduler.stats()["active"] == 0 and metrics.generated < 450  # of 899 decode steps
     finally:
+        released.set()
         scheduler.stop()
 
 

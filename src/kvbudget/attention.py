@@ -365,6 +365,9 @@ def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
     if isinstance(cache, BudgetCache):
         cache.attention_attached = True
         kwargs["kvbudget_cache"] = cache
+        session = cache.session
+        if session is not None and session.wants_attention_inputs:
+            session.before_attention(module, args[0] if args else kwargs["hidden_states"])
     elif isinstance(cache, JoinedCache):
         for row in cache.rows:
             row.attention_attached = True

@@ -20,13 +20,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from kvbudget.observation import Observation
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from kvbudget.cache import BudgetCache, BudgetLayer
 
 
@@ -188,6 +190,13 @@ class CompressionSession:
         per-layer plan adds it to each layer's limit)."""
         assert self.row_budgets is not None
         return [b + self.run.appended_to(r) for r, b in enumerate(self.row_budgets)]
+
+    #: whether :meth:`before_attention` wants each attention module's input (off: no cost)
+    wants_attention_inputs: ClassVar[bool] = False
+
+    def before_attention(self, module: nn.Module, hidden_states: torch.Tensor) -> None:
+        """Called before an attention module runs, when :attr:`wants_attention_inputs` is set, with
+        the module (its ``layer_idx``, its projections) and its input ``[b, q, hidden]``."""
 
     def after_attention(
         self,

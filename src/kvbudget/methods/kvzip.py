@@ -136,11 +136,20 @@ class ReconstructionScores(CompressionSession):
             if window is not None:  # [h, rows, keys]: keys the query's window still holds
                 seen = in_window(sub_pos, pos[:, n + a : n + b], window)
                 logits.masked_fill_(~seen[:, None], float("-inf"))
-            probs = torch.softmax(logits, dim=-1)[..., lead : lead + m]
+            probs = torch.softmax(logits, dim=-1)[..., lead : lead + m]  # [h, g, rows, m]
+            probs = self.weigh(probs, layer_idx, layer, slice(a, b), slice(start, end))
             best = torch.maximum(best, probs.amax(dim=(1, 2)))
         self.scores[layer_idx][:, start:end] = best.to(self.scores[layer_idx].device)
         if layers is not None:  # drop this layer's copy with the pass's tokens: back to the context
             layers[layer_idx] = self.context[layer_idx].shallow_copy()
+
+    def weigh(
+        self, probs: torch.Tensor, layer_idx: int, layer: Any, rows: slice, columns: slice
+    ) -> torch.Tensor:
+        """The attention weights ``probs: [kv_heads, group, rows, m]`` of the pass's queries
+        ``rows`` over the chunk's entries ``columns`` (slots of ``layer``), as the score takes them:
+        unchanged here; KVzip+ weighs them (:mod:`kvbudget.methods.kvzip_plus`)."""
+        return probs
 
 
 def _row_layer(layer: BudgetLayer, row: int) -> BudgetLayer:
@@ -230,6 +239,8 @@ class KVzip(Method):
     small_options: ClassVar[dict[str, Any]] = {"chunk": 48}
     stages: ClassVar[tuple[str, ...]] = ("lookahead",)
     fixed_allocation: ClassVar[str] = "its budgets come from its reconstruction scores (the level option)"
+    #: the session that scores a reconstruction pass
+    scores_session: ClassVar[type[ReconstructionScores]] = ReconstructionScores
 
     window: int = 0
     sinks: int = 4
@@ -318,7 +329,7 @@ class KVzip(Method):
         anchors = max(prefix, self.sinks)
         device = context[0].keys.device
         scores = [torch.zeros((context[0].keys.shape[1], n_r), device=device) for _ in context]
-        session = ReconstructionScores(self, len(context), context, scores)
+        session = self.scores_session(self, len(context), context, scores)
         clone = BudgetCache(len(context), session)
         clone.attention_attached = True
         clone.layers = [layer.shallow_copy() for layer in context]

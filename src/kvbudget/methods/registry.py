@@ -39,6 +39,7 @@ from kvbudget.methods.h2o import H2O
 from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.kvzip import KVzip
+from kvbudget.methods.kvzip_plus import KVzipPlus
 from kvbudget.methods.lagkv import LagKV
 from kvbudget.methods.lava import LAVa
 from kvbudget.methods.lookahead import LAQ, LAQLava
@@ -95,6 +96,7 @@ _ORDER: tuple[type[Method] | str, ...] = (
     ChunkKV,
     QFilter,
     KVzip,
+    KVzipPlus,
     ExpectedAttention,
     RKV,
 )

@@ -35,7 +35,7 @@ from kvbudget.eval.store import archive_parts, load_rows
 from kvbudget.eval.suites import LEADERBOARD_PLAN
 from kvbudget.methods.registry import method_info, method_names
 
-#: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard.md): their classes'
+#: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard-analysis.md): their classes'
 #: ``exceeds_budget``.
 BEYOND_BUDGET = tuple(name for name in method_names() if method_info(name).exceeds_budget)
 HARD = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "kv_retrieval")
@@ -657,6 +657,45 @@ def _best_cell(best: str, labels: list[str], means: dict[str, float]) -> str:
     return f"{best} {100 * means[best]:.1f}" + (f" (tied with {tied} more)" if tied else "")
 
 
+@dataclass
+class BestPair:
+    """At one ratio: kvbudget's best method held to the budget (``ours``) and kvpress's best press
+    (``peer``) over ``tasks``, every label's mean there, and the paired difference ours − peer."""
+
+    ours: str
+    peer: str
+    our_labels: list[str]
+    peer_labels: list[str]
+    means: dict[str, float]
+    diff: PairedDifference | None
+    tasks: list[str]
+
+    def cells(self) -> tuple[str, str]:
+        ours = _best_cell(self.ours, self.our_labels, self.means)
+        return ours, _best_cell(self.peer, self.peer_labels, self.means)
+
+
+def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
+    """kvbudget's best against kvpress's best at ``ratio``, on the tasks every kvpress press and both
+    bests finished (``MIN_SAMPLES`` each); ``None`` until such tasks exist."""
+    column = ("r", ratio)
+    mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
+    complete = _complete_tasks(mine, column)
+    peers = [label for label in complete if label.startswith(PEER_PREFIX)]
+    if not peers:
+        return None
+    tasks = set.intersection(*(complete[label] for label in peers))
+    ours = [label for label in complete
+            if label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
+            and tasks <= complete[label]]  # fmt: skip
+    if not tasks or not ours:
+        return None
+    means = {label: _mean_over_tasks(mine, label, column, tasks) for label in [*ours, *peers]}
+    best_ours, best_peer = _best(ours, means), _best(peers, means)
+    diff = _try(rows, best_ours, best_peer, column, sorted(tasks))
+    return BestPair(best_ours, best_peer, ours, peers, means, diff, sorted(tasks))
+
+
 def best_against_kvpress(rows: list[dict], ratios: tuple[float, ...]) -> list[str]:
     """At each ratio, kvbudget's best method held to the budget against kvpress's best press, on the
     tasks every kvpress press and both bests finished: their means and the paired difference."""
@@ -666,26 +705,11 @@ def best_against_kvpress(rows: list[dict], ratios: tuple[float, ...]) -> list[st
     ]
     found = False
     for ratio in ratios:
-        column = ("r", ratio)
-        mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
-        complete = _complete_tasks(mine, column)
-        peers = [label for label in complete if label.startswith(PEER_PREFIX)]
-        if not peers:
+        pair = best_pair(rows, ratio)
+        if pair is None:
             continue
-        tasks = set.intersection(*(complete[label] for label in peers))
-        ours = [label for label in complete
-                if label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
-                and tasks <= complete[label]]  # fmt: skip
-        if not tasks or not ours:
-            continue
-
-        means = {label: _mean_over_tasks(mine, label, column, tasks) for label in [*ours, *peers]}
-        best_ours, best_peer = _best(ours, means), _best(peers, means)
-        diff = _try(rows, best_ours, best_peer, column, sorted(tasks))
-        lines.append(
-            f"| {ratio:g} | {_best_cell(best_ours, ours, means)} | "
-            f"{_best_cell(best_peer, peers, means)} | {_cell(diff)} | {len(tasks)} |"
-        )
+        ours, peer = pair.cells()
+        lines.append(f"| {ratio:g} | {ours} | {peer} | {_cell(pair.diff)} | {len(pair.tasks)} |")
         found = True
     return lines if found else ["(no kvpress rows finished yet)"]
 
@@ -720,7 +744,7 @@ def main() -> None:
     parser.add_argument("--d2o-longgen", type=Path, default=Path("lab/results/claims-d2o-longgen"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
-        help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard.md)",
+        help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard-analysis.md)",
     )  # fmt: skip
     args = parser.parse_args()
     tables = blocks(args)

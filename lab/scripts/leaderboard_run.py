@@ -6,7 +6,7 @@
 
 The model loads once for every task. Without budget options it runs the committed plan,
 ``LEADERBOARD_PLAN``: ratio 0.875 on every task, then 0.5 on ``LEADERBOARD_CORE_TASKS``, then 0.75
-and 0.25 on those but lcc (docs/leaderboard.md says why); ``--tasks`` narrows each part to the tasks
+and 0.25 on those but lcc (docs/leaderboard-analysis.md says why); ``--tasks`` narrows each part to the tasks
 it names. With budget options (and ``--tasks``), only what they name.
 ``--limit N`` runs each task's first N samples only (the same samples the full grid starts with, so a
 later run without it adds the rest; not for needle, whose depths spread over the limit).

@@ -6,7 +6,7 @@ The vt prompt opens with a solved example (three-letter names, answered with spa
 then the instruction again and the real text. The second variant drops the example and keeps
 the rest. Each row records the sample, the variant, the answer and its ``string_match_all`` score.
 The first variant must equal the committed full-cache rows: the script checks this and stops if not.
-docs/leaderboard.md uses it to explain why evicting methods beat the full cache on vt (about 6
+docs/leaderboard-analysis.md uses it to explain why evicting methods beat the full cache on vt (about 6
 minutes on 2 cores).
 """
 

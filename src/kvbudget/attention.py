@@ -366,7 +366,7 @@ def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         cache.attention_attached = True
         kwargs["kvbudget_cache"] = cache
         session = cache.session
-        if session is not None and session.wants_attention_inputs:
+        if getattr(session, "wants_attention_inputs", False):  # profile recorders are sessions too
             session.before_attention(module, args[0] if args else kwargs["hidden_states"])
     elif isinstance(cache, JoinedCache):
         for row in cache.rows:

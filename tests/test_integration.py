@@ -124,3 +124,14 @@ def test_model_generate_continues_a_compressed_cache(model_and_tokenizer, needle
             mine.append(int(token))
     generated = out[0, ids.shape[1] :].tolist()
     assert generated == mine[: len(generated)]
+
+
+@pytest.mark.parametrize("name", ["ada-snapkv", "lava", "asl"])
+def test_static_decoding_equals_eager_decoding_on_the_real_model(name, model_and_tokenizer, needle_500):
+    """The static path (one masked attention call per layer over static buffers) gives the eager
+    path's tokens and kept entries on the real model: ragged heads (ada-snapkv), a cascading method
+    (lava) and a pruned prefill (asl)."""
+    eager = _run(model_and_tokenizer, needle_500, method=name, budget=64)
+    static = _run(model_and_tokenizer, needle_500, method=name, budget=64, decode="static")
+    assert static.token_ids == eager.token_ids
+    assert static.cache_stats_after.entries.equal(eager.cache_stats_after.entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +120,15 @@ def tiny_tokenizer(chat_template: bool = False):
             "{% if add_generation_prompt %}<assistant>{% endif %}"
         )
     return tok
+
+
+def config_only_model(directory: Path) -> Path:
+    """A folder with a tiny Llama's ``config.json`` and a tokenizer, and no weight file (the source of
+    a ``random_weights`` load)."""
+    LlamaConfig(**TINY).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    assert not list(directory.glob("*.safetensors")) and not list(directory.glob("*.bin"))
+    return directory
 
 
 @pytest.fixture(scope="module")

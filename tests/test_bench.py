@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from conftest import TINY
+from conftest import TINY, config_only_model
 from kvbudget.bench import memory
 from kvbudget.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from kvbudget.bench.grid import BenchConfig, aggregate, run_key, run_worker
@@ -161,12 +161,21 @@ def test_worker_reports_errors_as_rows() -> None:
     assert "error" in row and "nonexistent" in row["error"]
 
 
+SNAPKV_RUN = MeasureSpec(method="snapkv", length=256, budget=64, new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def snapkv_row() -> dict:
+    """One worker run on the real model, shared by the tests that read it."""
+    return run_worker(SNAPKV_RUN, threads=1)
+
+
 @pytest.mark.integration
-def test_worker_measures_a_real_run() -> None:
+def test_worker_measures_a_real_run(snapkv_row) -> None:
     """One measurement in a fresh process: byte counts follow from the model's config."""
     from kvbudget.models import load_model
 
-    row = run_worker(MeasureSpec(method="snapkv", length=256, budget=64, new_tokens=3), threads=1)
+    row = snapkv_row
     assert "error" not in row, row.get("error")
     model, _ = load_model("smollm2-135m")
     c = model.config
@@ -183,11 +192,10 @@ def test_worker_measures_a_real_run() -> None:
 
 
 @pytest.mark.integration
-def test_worker_decodes_a_batch_with_every_row_compressed() -> None:
+def test_worker_decodes_a_batch_with_every_row_compressed(snapkv_row) -> None:
     """A batch of 2: every row holds its own budget, so the cache is twice one row's."""
-    spec = MeasureSpec(method="snapkv", length=256, budget=64, new_tokens=3)
-    single = run_worker(spec, threads=1)
-    batched = run_worker(MeasureSpec(**{**asdict(spec), "batch": 2}), threads=1)
+    single = snapkv_row
+    batched = run_worker(MeasureSpec(**{**asdict(SNAPKV_RUN), "batch": 2}), threads=1)
     assert "error" not in batched, batched.get("error")
     assert batched["batch"] == 2 and batched["decode_steps"] == 2
     assert batched["logical_bytes"] == batched["physical_bytes"] == 2 * single["logical_bytes"]
@@ -205,20 +213,10 @@ def test_fit_prompt_hits_the_requested_total_length() -> None:
         assert length - 15 <= len(prompt.ids) <= length
 
 
-def _config_only_model(directory: Path) -> Path:
-    """A folder with a tiny Llama's ``config.json`` and a tokenizer, and no weight file."""
-    from conftest import tiny_tokenizer
-
-    LlamaConfig(**TINY).save_pretrained(directory)
-    tiny_tokenizer().save_pretrained(directory)
-    assert not list(directory.glob("*.safetensors")) and not list(directory.glob("*.bin"))
-    return directory
-
-
 def test_random_weights_build_a_model_from_its_config_alone(tmp_path: Path) -> None:
     from kvbudget.models import load_model
 
-    source = _config_only_model(tmp_path)
+    source = config_only_model(tmp_path)
     model, tokenizer = load_model(source, dtype="bfloat16", random_weights=True)
     assert model.config.num_hidden_layers == TINY["num_hidden_layers"] and not model.training
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -229,7 +227,7 @@ def test_random_weights_build_a_model_from_its_config_alone(tmp_path: Path) -> N
 
 
 def test_worker_measures_a_random_weight_model_and_keys_it_apart(tmp_path: Path) -> None:
-    source = str(_config_only_model(tmp_path))
+    source = str(config_only_model(tmp_path))
     spec = MeasureSpec(
         model=source, method="snapkv", length=256, budget=64, new_tokens=3, random_weights=True
     )
@@ -278,7 +276,7 @@ def test_random_model_dir_writes_a_config_and_a_tokenizer(tmp_path: Path) -> Non
 
     from kvbudget.cli_checks import model_source
 
-    tokenizer_dir = _config_only_model(tmp_path / "tiny")
+    tokenizer_dir = config_only_model(tmp_path / "tiny")
     script = Path(__file__).resolve().parents[1] / "scripts" / "random_model_dir.py"
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -326,7 +324,7 @@ def test_report_shows_the_steady_tpot_when_a_graph_was_set_up() -> None:
 def test_worker_decodes_statically_when_asked_and_keys_it_apart(tmp_path: Path) -> None:
     """``decode="static"``: the row says which path ran (eager, with the reason, for a method that
     evicts while decoding); eager rows keep the keys they had before the option existed."""
-    source = str(_config_only_model(tmp_path))
+    source = str(config_only_model(tmp_path))
     base = dict(model=source, length=256, budget=64, new_tokens=3, random_weights=True, decode="static")
     row = run_worker(MeasureSpec(method="snapkv", **base), threads=1)
     assert "error" not in row, row.get("error")

@@ -53,9 +53,9 @@ def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(
 
 
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])
-@pytest.mark.parametrize("budget", [64, 128])
-def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_500):
-    budget = max(budget, make_method(name).min_budget())  # qfilter's 64-token window needs 65
+def test_every_method_runs_end_to_end(name, model_and_tokenizer, needle_500):
+    """One budget on the real model (the tiny models' matrix checks budgets more widely)."""
+    budget = max(64, make_method(name).min_budget())  # qfilter's 64-token window needs 65
     result = _run(model_and_tokenizer, needle_500, method=name, budget=budget, max_new_tokens=6)
     layers, heads = 30, 3
     assert result.budgets.shape == (layers, heads)
@@ -68,8 +68,8 @@ def test_every_method_runs_end_to_end(name, budget, model_and_tokenizer, needle_
         assert result.cache_stats_after.logical_bytes <= result.cache_stats_before.logical_bytes
         return
     assert int(entries.sum()) <= layers * heads * budget * 1.1  # pyramid's floored step may add a little
-    # the ~550-token prompt kept at most 1.1 × 128 entries a head: the bytes shrink by over 3.5×
-    assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 3.5
+    # the ~550-token prompt kept at most 1.1 × 65 entries a head: the bytes shrink by over 7×
+    assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 7
 
 
 def test_ada_snapkv_saves_real_memory_with_skewed_head_budgets(model_and_tokenizer):

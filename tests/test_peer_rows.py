@@ -485,6 +485,8 @@ def test_kvpress_rows_join_the_results_and_resume(tiny_dir, tmp_path, agnostic):
     again = _eval(tiny_dir, out, agnostic, presses=",".join(pressed))
     assert again.exit_code == 0 and "kvpress rows added: 0" in again.output
     assert len(load_rows(out / "results.jsonl")) == len(rows)
+    if agnostic:
+        return  # adding a press to a finished run: once is enough (the aware case below)
     more = _eval(tiny_dir, out, agnostic, presses="snapkv,tova")
     assert "kvpress rows added: 4" in more.output  # only tova's: 2 samples × 2 ratios
     text = (out / "report.md").read_text()

@@ -862,6 +862,16 @@ def bench_serve(
         Path | None,
         typer.Option(help="OpenVINO IR folder of the model (default: the registry model's `openvino/`)."),
     ] = None,
+    device: Annotated[
+        str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
+    ] = "cpu",
+    random_weights: Annotated[
+        bool,
+        typer.Option(
+            help="Build the model from its config.json with random weights (a size not on disk): sequences "
+            "held, memory and speed; every request decodes --max-tokens and no accuracy is reported."
+        ),
+    ] = False,
 ) -> None:
     """Load `kvbudget serve` with concurrent clients: sequences held at once, tokens/s, TTFT/TPOT and
     accuracy, full cache vs compressed methods under one KV cap (docs/serving.md)."""
@@ -876,6 +886,11 @@ def bench_serve(
         check.at_least(max_tokens, 1, "--max-tokens")
     check.model_source(model)
     check.output_dir(out, "--out")
+    if random_weights and openvino is not None:
+        raise InputError("--random-weights with --openvino: OpenVINO's model has the real weights; run one")
+    from kvbudget.models import resolve_device
+
+    resolve_device(device)  # a device this machine lacks fails before the model loads
     if openvino is not None:
         from kvbudget.peer.openvino import check_environment, default_ir_dir
 
@@ -887,7 +902,8 @@ def bench_serve(
         cap_bytes=parse_size(memory_cap) if memory_cap else None, clients=clients, requests=requests,
         max_tokens=max_tokens, ignore_eos=ignore_eos, time_limit_s=time_limit,
         openvino_python=str(openvino) if openvino else None,
-        openvino_model=str(openvino_model) if openvino_model else None,
+        openvino_model=str(openvino_model) if openvino_model else None, device=device,
+        random_weights=random_weights,
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())

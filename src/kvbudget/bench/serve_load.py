@@ -14,6 +14,10 @@ The cap defaults to what two full-cache conversations of the prompt length need
 (:func:`~kvbudget.serve.batcher.prefill_peak_bytes` of the full cache), so the full cache holds two
 at once and a compressed method as many as fit.
 
+``random_weights`` builds the model from its ``config.json`` alone (a 7B config on a GPU, say, with
+``device="cuda"``): sequences held, memory and speed mean what they say, the answers nothing — every
+request then decodes ``max_tokens`` tokens whatever it samples, and no accuracy is reported.
+
 With ``openvino_python`` (``.venv-ov``'s Python, ``make ov``) the same prompts also run through
 OpenVINO GenAI's continuous-batching pipeline (:mod:`kvbudget.peer.openvino`) with its KV pool set
 to the cap, once with the full cache and once with its cache eviction sized to keep the fraction
@@ -28,7 +32,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -64,6 +68,8 @@ class ServeBenchConfig:
     seed: int = 0
     openvino_python: str | None = None
     openvino_model: str | None = None
+    device: str = "cpu"
+    random_weights: bool = False
 
 
 class _Counting(Metrics):
@@ -151,9 +157,9 @@ def run_one(
             max_tokens = config.max_tokens or sample.max_new_tokens
             body = {"model": "bench", "prompt": prompt.ids, "max_tokens": max_tokens, "stream": True,
                     "stream_options": {"include_usage": True},
-                    "kvbudget": {"ignore_eos": config.ignore_eos}}  # fmt: skip
+                    "kvbudget": {"ignore_eos": config.ignore_eos or config.random_weights}}  # fmt: skip
             out = _stream(base, body, timeout=max(60.0, deadline - time.monotonic()))
-            if "text" in out:
+            if "text" in out and not config.random_weights:  # random weights answer nothing
                 out["score"] = float(task.metric(out["text"], sample.answers))
             with lock:
                 results.append({"sample": i, **out})
@@ -170,6 +176,7 @@ def run_one(
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in done)
     ttft = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
     tpot = [r["tpot_s"] for r in done if r["tpot_s"] is not None]
+    scored = [r for r in done if "score" in r]  # none with random weights
     return {
         "method": method, "compression": compression.label(), "cap_bytes": cap,
         "answered": len(done), "errors": [r["error"] for r in results if "error" in r][:5],
@@ -178,7 +185,7 @@ def run_one(
         "decode_tokens_per_s": counting.step_tokens / max(counting.step_seconds, 1e-9),
         "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
         "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
-        "accuracy": statistics.fmean(r["score"] for r in done) if done else None,
+        "accuracy": statistics.fmean(r["score"] for r in scored) if scored else None,
     }  # fmt: skip
 
 
@@ -198,6 +205,8 @@ def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=N
         raise InputError(f"--ratio is kvpress's compression ratio, in [0, 1), got {config.ratio}")
     if config.clients < 1 or config.requests < 1:
         raise InputError("--clients and --requests must be ≥ 1")
+    if config.random_weights and config.openvino_python:
+        raise InputError("--random-weights with --openvino: OpenVINO's model has the real weights; run one")
     if config.openvino_python:  # before the kvbudget rows, not after them
         from kvbudget.peer.openvino import check_environment
 
@@ -206,7 +215,10 @@ def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=N
     if model is None:
         from kvbudget.models import load_model
 
-        model, tokenizer = load_model(config.model, dtype=config.dtype)
+        model, tokenizer = load_model(
+            config.model, dtype=config.dtype, device=config.device, random_weights=config.random_weights
+        )
+    config = replace(config, device=str(model.device))  # where it ran ("auto" resolved)
     samples = list(task.make_samples(tokenizer, config.length, config.requests, config.seed))
     cap = config.cap_bytes or default_cap(model, tokenizer, config, samples)
     rows = []
@@ -311,8 +323,10 @@ def _f(value: float | None, fmt: str) -> str:
 
 def markdown(config: ServeBenchConfig, cap: int, rows: list[dict[str, Any]]) -> str:
     """The table ``docs/serving.md`` shows."""
+    weights = ", random weights: no accuracy" if config.random_weights else ""
     lines = [
-        f"`kvbudget bench serve`: {config.model} ({config.dtype}), {config.task} at {config.length} tokens, "
+        f"`kvbudget bench serve`: {config.model} ({config.dtype}{weights}) on {config.device}, "
+        f"{config.task} at {config.length} tokens, "
         f"{config.clients} clients, {config.requests} requests per method, KV cap {format_bytes(cap)}, "
         f"compressed methods at kvpress ratio {config.ratio}.",
         "",
@@ -327,7 +341,8 @@ def markdown(config: ServeBenchConfig, cap: int, rows: list[dict[str, Any]]) -> 
             f"{_f(r['ttft_p50_s'], '.1f')} / {_f(r['ttft_p99_s'], '.1f')} s | "
             f"{_f(r['tpot_p50_s'] and r['tpot_p50_s'] * 1000, '.0f')} / "
             f"{_f(r['tpot_p99_s'] and r['tpot_p99_s'] * 1000, '.0f')} ms | "
-            f"{_f(r['accuracy'] and r['accuracy'] * 100, '.0f')}% | {r['answered']} |"
+            f"{'—' if r['accuracy'] is None else format(r['accuracy'] * 100, '.0f') + '%'} | "
+            f"{r['answered']} |"
         )
     notes = [r["note"] for r in rows if r.get("note")]
     if notes:

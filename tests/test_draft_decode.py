@@ -20,7 +20,8 @@ NO_EOS: set[int] = set()
 def _compressed(model, tokenizer, name: str, budget: int = 40):
     prompt = build_prompt(tokenizer, CONTEXT, "What does the fox do?")
     inputs = prefill_inputs([prompt], tokenizer.pad_token_id)
-    cache, logits, *_ = derive(model, take_snapshot(model, inputs), small(name), budget=budget)
+    snapshot = take_snapshot(model, inputs, attention_inputs=small(name).wants_attention_inputs)
+    cache, logits, *_ = derive(model, snapshot, small(name), budget=budget)
     return cache, logits, inputs
 
 

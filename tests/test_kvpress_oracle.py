@@ -32,6 +32,7 @@ import torch
 from conftest import seeded, tiny_model
 from kvbudget.bench.peer import PEERS, peer_python_path, runner_script
 from kvbudget.engine import compress
+from kvbudget.eval.peer_rows import PRESSES
 
 PEER = peer_python_path(Path(__file__).resolve().parents[1] / ".venv-peer" / "bin" / "python")
 
@@ -132,6 +133,8 @@ def test_answers_match_kvpress_end_to_end(oracle: dict, tmp_path: Path, aware: b
 #: our method spec ↔ kvpress job, with settings matched; budgets where both sides are exact:
 #: LagKV (4 sinks, lag 32, 300 tokens: 8 scored partitions, a tail of 40) splits the rest evenly
 #: over the partitions (kvpress's equal rank scores leave an uneven split to topk's tie order);
+#: ``lagkv@leaderboard`` is the ``kvpress:lagkv`` rows' own job (PRESSES: the class defaults, 4 sinks,
+#: lag 128; 300 tokens: one scored partition, a tail of 168), kept by ``lagkv:sinks=4`` (issue #48);
 #: ChunkKV's window of 60 is three whole chunks of 20 (kvpress chunks the window too and scores it
 #: above everything, so its three chunks are always kept, as our protected window), and a budget of
 #: 60 + 20k is k whole chunks on both sides.
@@ -139,6 +142,7 @@ NEW_PEERS: dict[str, tuple[str, dict, tuple[int, ...]]] = {
     "keydiff": ("keydiff", {"press": "KeyDiffPress"}, (80, 160)),
     "lagkv": ("lagkv:sinks=4,lag_size=32", {"press": "LagKVPress", "kwargs": {"n_sink": 4, "lag_size": 32}},
               (84, 124)),
+    "lagkv@leaderboard": ("lagkv:sinks=4", PRESSES["lagkv"], (200, 240)),
     "chunkkv": (
         "chunkkv:window=60,kernel=5,pooling=avg,reduce_rows=mean,chunk_size=20",
         {"press": "ChunkKVPress", "kwargs": {"chunk_length": 20},
@@ -251,6 +255,7 @@ def test_new_scorer_comparisons_have_teeth(oracle: dict, new_oracle: dict) -> No
     ids = oracle["ids"]["s1"]
     model = oracle["model"]
     assert our_indices(model, ids, "lagkv:sinks=16,lag_size=32", 84) != new_oracle[("lagkv", "s1", 84)]
+    assert our_indices(model, ids, "lagkv", 200) != new_oracle[("lagkv@leaderboard", "s1", 200)]  # 16 sinks
     wrong = "chunkkv:window=60,kernel=5,pooling=max,reduce_rows=mean,chunk_size=20"
     assert our_indices(model, ids, wrong, 100) != new_oracle[("chunkkv", "s1", 100)]
     assert our_indices(model, ids, "keydiff:window=32", 80) != new_oracle[("keydiff", "s1", 80)]
@@ -319,7 +324,29 @@ ORACLE_2026 = {
     "kvzip:level=layer": _ratio_job("kvzip-layer", "KVzipPress", {"layerwise": True}, 150, 0.5),
     "kvzip:chunk=100": _ratio_job("kvzip-chunk", "KVzipPress", {"chunk_size": 100}, 150, 0.5),
     "kvzip+": _ratio_job("kvzip-plus", "KVzipPress", {"kvzip_plus_normalization": True}, 150, 0.5),
+    "kvgrad": _ratio_job("kvgrad", "KVgradPress", {}, 150, 0.5),
+    "kvgrad:chunk=100": _ratio_job("kvgrad-chunk", "KVgradPress", {"chunk_size": 100}, 150, 0.5),
+    # "seed": the runner seeds torch's global generator before the press's prefill (the sketches)
+    "leverage": {**_ratio_job("leverage", "LeverageScorePress", {}, 150, 0.5), "seed": 0},
+    "leverage:sketch=8": {
+        **_ratio_job("leverage-8", "LeverageScorePress", {"sketch_dimension": 8}, 150, 0.5),
+        "seed": 0,
+    },
+    "compactor": {**_ratio_job("compactor", "CompactorPress", {}, 150, 0.5), "seed": 0},
+    "compactor:chunk=100,sketch=8": {
+        **_ratio_job("compactor-100", "CompactorPress", {"chunk_size": 100, "sketch_dimension": 8}, 150, 0.5),
+        "seed": 0,
+    },
+    "compactor:chunk=96,blending=1.0": {
+        **_ratio_job("compactor-96", "CompactorPress", {"chunk_size": 96, "blending": 1.0}, 150, 0.5),
+        "seed": 0,
+    },
 }
+
+#: methods whose layer-0 scores depend on the token alone (a token's pre-RoPE keys are the same
+#: wherever it stands): a repeated token's entries tie exactly there and each side's top-k breaks
+#: the tie its own way, so layer 0 is compared as the kept tokens (a multiset), deeper layers as positions
+TIED_BY_TOKEN = {"leverage"}
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +408,16 @@ def test_new_methods_keep_kvpress_indices(oracle_2026: dict, spec: str, sample: 
     ``KVzipPress`` at ratio 0.5 ↔ ``kvzip`` at ratio 0.5 (one top-k over every layer and head),
     ``layerwise=True`` ↔ ``level=layer``, ``chunk_size=100`` ↔ ``chunk=100`` (three passes, later
     ones quoting the previous chunk's last 8 tokens; kvpress's request text is ours without the
-    trailing space, so that case sets ``continue_prompt``).
+    trailing space, so that case sets ``continue_prompt``); ``KVgradPress`` ↔ ``kvgrad`` (its backward
+    pass per chunk; chunk 512, one pass here) and ``chunk_size=100`` ↔ ``kvgrad:chunk=100``;
+    ``LeverageScorePress`` ↔ ``leverage`` (the sketches: kvpress draws them from torch's global
+    generator, which the runner seeds with the job's ``seed`` before the prefill; ours from a CPU
+    generator seeded with the same ``seed``), at the default sketch (48 columns, wider than this
+    model's head of 16: the scores are the exact leverage but for the ridge) and at 8 columns (the
+    draw decides); layer 0 as kept tokens (``TIED_BY_TOKEN``). ``CompactorPress`` ↔ ``compactor``
+    (the same seeded sketches; 288 candidates between its 8 sinks and window of 4: chunks of 256 and
+    a short 32 by default, 100, 100 and a short 88, or three whole chunks of 96; ``β`` the ratio 0.5,
+    or 1 given on both sides).
 
     Not matched, by design: the default head floor (kvpress forces each head's top ``int(0.2·B)``
     in; our default is AdaKV's ``n_h(1 − α) + α·B'``, as ``ada-snapkv``), and KVzip with a
@@ -390,7 +426,7 @@ def test_new_methods_keep_kvpress_indices(oracle_2026: dict, spec: str, sample: 
     """
     job = ORACLE_2026[spec]
     options = {}
-    if spec == "kvzip:chunk=100":
+    if spec in ("kvzip:chunk=100", "kvgrad:chunk=100"):
         options["continue_prompt"] = "\n\nRepeat the part of the previous context exactly, starting with"
     model = oracle_2026["model"]
     theirs = oracle_2026["kept"][(sample, job["method"])]
@@ -399,8 +435,11 @@ def test_new_methods_keep_kvpress_indices(oracle_2026: dict, spec: str, sample: 
     assert len(ours) == len(theirs) == layers
     total = sum(len(h) for layer in ours for h in layer)
     assert total == sum(len(h) for layer in theirs for h in layer) == layers * heads * job["budget"]
+    ids = oracle_2026["ids"][sample]
     for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
         for head, (a, b) in enumerate(zip(mine, peer, strict=True)):
+            if layer == 0 and spec.partition(":")[0] in TIED_BY_TOKEN:
+                a, b = sorted(ids[i] for i in a), sorted(ids[i] for i in b)
             assert a == b, f"layer {layer} head {head}: {sorted(set(a) ^ set(b))} differ"
 
 
@@ -417,6 +456,14 @@ def test_new_methods_oracle_has_teeth(oracle_2026: dict) -> None:
     assert oracle_2026["kept"][("s1", "ea-ada-floor-0.9")] != oracle_2026["kept"][("s1", "ea-ada")]
     assert oracle_2026["kept"][("s1", "kvzip-chunk")] != oracle_2026["kept"][("s1", "kvzip")]
     assert oracle_2026["kept"][("s1", "kvzip-plus")] != oracle_2026["kept"][("s1", "kvzip")]
+    assert oracle_2026["kept"][("s1", "kvgrad")] != oracle_2026["kept"][("s1", "kvzip-plus")]
+    assert oracle_2026["kept"][("s1", "kvgrad-chunk")] != oracle_2026["kept"][("s1", "kvgrad")]
+    other_draw = _kept_2026(model, ids, "leverage:sketch=8,seed=1", ORACLE_2026["leverage:sketch=8"])
+    assert other_draw[1:] != oracle_2026["kept"][("s1", "leverage-8")][1:]  # another seed, other sketches
+    other_draw = _kept_2026(model, ids, "compactor:chunk=100,sketch=8,seed=1", ORACLE_2026["compactor"])
+    assert other_draw != oracle_2026["kept"][("s1", "compactor-100")]
+    unblended = _kept_2026(model, ids, "compactor:blending=0.0", ORACLE_2026["compactor"])
+    assert unblended != oracle_2026["kept"][("s1", "compactor")]  # the leverage term counts
 
 
 # ------------------------------------------------------------------ every kvpress counterpart is compared

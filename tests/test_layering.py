@@ -63,7 +63,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvbudget.eval.peer_rows",
         ],
     ),
-    ("benchmarks and tuning", ["kvbudget.bench.*", "kvbudget.tuning"]),
+    ("benchmarks and tuning", ["kvbudget.bench.*", "kvbudget.tuning", "kvbudget.kvzap_training"]),
     ("demo and CLI checks", ["kvbudget.demo", "kvbudget.cli_checks"]),
     ("entry points", ["kvbudget.cli", "kvbudget"]),
 ]

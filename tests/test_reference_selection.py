@@ -344,6 +344,12 @@ def test_every_registered_method_has_a_reference_test() -> None:
         "kvzip", "expected-attention", "r-kv",
         # references in tests/test_kvzip_plus.py
         "kvzip+",
+        # references in tests/test_kvzap.py
+        "kvzap",
+        # references in tests/test_leverage.py and tests/test_compactor.py
+        "leverage", "compactor",
+        # references in tests/test_kvgrad.py
+        "kvgrad",
     }  # fmt: skip
     assert set(method_names()) == covered
 

@@ -99,7 +99,7 @@ def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat
     )  # fmt: skip
     prompts = [build_prompt(chat_tokenizer, c, q) for c, q in zip(CONTEXTS, QUESTIONS, strict=True)]
     inputs = prefill_inputs(prompts, chat_tokenizer.pad_token_id, compress_context_only=agnostic)
-    snapshot = take_snapshot(llama, inputs)
+    snapshot = take_snapshot(llama, inputs, attention_inputs=small(name).wants_attention_inputs)  # KVzap's
     eos = eos_ids(llama, chat_tokenizer)  # what generate uses (ends a post-prefill method's lookahead)
     cache, logits, *_ = derive(llama, snapshot, small(name), budget=budget, eos=eos)
     if agnostic:

@@ -35,6 +35,9 @@ class Observation:
         scaling: the attention's softmax scale.
         run: the method's :class:`~kvbudget.methods.base.RunState` for this run (what the method
             learned so far; set by the compression session), or ``None`` outside a run.
+        attention_input: ``[b, q, hidden]`` the attention module's input for the tokens of this
+            forward (the decoder layer's normalised hidden states), for a method that asks for it
+            (``Method.wants_attention_inputs``) during a prefill; else ``None``.
     """
 
     layer_idx: int
@@ -44,6 +47,7 @@ class Observation:
     scaling: float
     _memo: dict = field(default_factory=dict, repr=False)
     run: Any = field(default=None, repr=False)
+    attention_input: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def keys(self) -> torch.Tensor:

@@ -582,7 +582,8 @@ def default_profile_path(model: PreTrainedModel) -> Path:
 _BUILTIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _local_tokenizer(model: PreTrainedModel) -> Any | None:
+def local_tokenizer(model: PreTrainedModel) -> Any | None:
+    """The tokenizer stored next to ``model``'s weights (its ``name_or_path`` folder), or ``None``."""
     source = getattr(model, "name_or_path", "") or ""
     if not source or not Path(source).is_dir():
         return None
@@ -607,7 +608,7 @@ def builtin_profile(model: PreTrainedModel) -> Profile:
         return cached
     from kvbudget.profile_prompts import BUILTIN_CODE, BUILTIN_TEXT
 
-    tokenizer = _local_tokenizer(model)
+    tokenizer = local_tokenizer(model)
     if tokenizer is not None:
         prompts = [prompt_from_spec("builtin-text", tokenizer), prompt_from_spec("builtin-code", tokenizer)]
     else:

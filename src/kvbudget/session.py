@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,6 +39,7 @@ class SessionMethod(Protocol):
 
     stages: tuple[str, ...]
     cascading: bool
+    wants_attention_inputs: bool
 
     @property
     def edits_earlier_layers(self) -> bool: ...
@@ -135,6 +136,7 @@ class CompressionSession:
         self.scaling: float | None = None
         self.observation_memos: dict[int, dict] | None = None
         self.prompt_ids: torch.Tensor | None = None
+        self.attention_inputs: dict[int, torch.Tensor] = {}
 
     def bind(self, model: Any) -> None:
         """Make sure the run is bound to ``model`` (what the method needs from it: profiles,
@@ -165,7 +167,9 @@ class CompressionSession:
     ) -> Observation:
         memos = self.observation_memos
         memo = {} if memos is None else memos.setdefault(layer_idx, {})
-        return Observation(layer_idx, self.num_layers, query, layer, scaling, memo, run=self.run)
+        inputs = self.attention_inputs.pop(layer_idx, None) if self.phase == Phase.PREFILL else None
+        return Observation(layer_idx, self.num_layers, query, layer, scaling, memo, run=self.run,
+                           attention_input=inputs)  # fmt: skip
 
     def resolve(self, lengths: torch.Tensor) -> None:
         """Set ``row_budgets`` and ``targets`` from the valid prompt ``lengths: [b]``."""
@@ -191,12 +195,21 @@ class CompressionSession:
         assert self.row_budgets is not None
         return [b + self.run.appended_to(r) for r, b in enumerate(self.row_budgets)]
 
-    #: whether :meth:`before_attention` wants each attention module's input (off: no cost)
-    wants_attention_inputs: ClassVar[bool] = False
+    #: record every layer's attention input in ``"record"`` phase (a snapshot for methods that read it)
+    record_attention_inputs: bool = False
+
+    @property
+    def wants_attention_inputs(self) -> bool:
+        """Whether :meth:`before_attention` wants each attention module's input (off: no cost): the
+        method reads it (``Method.wants_attention_inputs``), or a snapshot records it."""
+        return self.record_attention_inputs or self.method.wants_attention_inputs
 
     def before_attention(self, module: nn.Module, hidden_states: torch.Tensor) -> None:
         """Called before an attention module runs, when :attr:`wants_attention_inputs` is set, with
-        the module (its ``layer_idx``, its projections) and its input ``[b, q, hidden]``."""
+        the module (its ``layer_idx``, its projections) and its input ``[b, q, hidden]``: kept in
+        :attr:`attention_inputs` for the layer's prefill observation (or the snapshot)."""
+        if self.phase in (Phase.PREFILL, Phase.RECORD):
+            self.attention_inputs[int(module.layer_idx)] = hidden_states
 
     def after_attention(
         self,
@@ -258,6 +271,7 @@ def replay_prefill(
     queries: Mapping[int, torch.Tensor],
     scaling: float,
     copy: Callable[[BudgetLayer], BudgetLayer] | None = None,
+    attention_inputs: Mapping[int, torch.Tensor] | None = None,
 ) -> Iterator[int]:
     """Compress ``cache`` as a layer-wise prefill would have, from the layers of a full cache.
 
@@ -265,7 +279,9 @@ def replay_prefill(
     ``copy(layer)``) goes into ``cache`` and the cache's session (a :class:`CompressionSession`)
     gets the layer's post-RoPE ``queries[i]: [b, q_heads, n, d]`` and ``scaling`` through
     ``after_attention``, in ``"prefill"`` phase, as the attention hook hands them over during a
-    prefill; the layers the session changed are re-counted in the cache's memory. Yields each layer
+    prefill (and, for a session that wants them, the layer's ``attention_inputs[i]: [b, n, hidden]``
+    first, as :meth:`CompressionSession.before_attention` would); the layers the session changed are
+    re-counted in the cache's memory. Yields each layer
     index once the session has seen that layer, so a caller may stop early (the deeper layers of
     ``cache`` then stay empty).
     """
@@ -274,6 +290,8 @@ def replay_prefill(
     session.phase = Phase.PREFILL
     for layer_idx, full in enumerate(full_layers):
         cache.layers[layer_idx] = full.shallow_copy() if copy is None else copy(full)
+        if attention_inputs is not None and session.wants_attention_inputs:
+            session.attention_inputs[layer_idx] = attention_inputs[layer_idx]
         session.after_attention(layer_idx, queries[layer_idx], cache.layers[layer_idx], scaling, cache.layers)
         for noted in range(layer_idx + 1) if session.edits_earlier_layers else (layer_idx,):
             cache.note_memory(noted)  # a cascading or post-prefill method also edited earlier layers

@@ -273,8 +273,14 @@ class Runner:
             return
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
-        prune = any("prune" in run[0].build().stages for run in pending)  # they derive from hidden states
-        snapshot = take_snapshot(self.model, inputs, hidden_states=prune) if self.config.shared else None
+        methods = [run[0].build() for run in pending]
+        prune = any("prune" in method.stages for method in methods)  # they derive from hidden states
+        inputs_read = any(method.wants_attention_inputs for method in methods)  # KVzap scores from them
+        snapshot = (
+            take_snapshot(self.model, inputs, hidden_states=prune, attention_inputs=inputs_read)
+            if self.config.shared
+            else None
+        )
         reference = self._run_one(snapshot, prompt, sample, make_method("full"), None, teacher=None)
         answers: list[list[int]] = []  # earlier runs' answers: drafts for the later ones
         for run in pending:

@@ -104,6 +104,9 @@ class Method:
     allocator_params: ClassVar[dict[str, tuple[str, str]]] = {}
     #: why the allocator options do not apply, when the stages do not say it (see :meth:`allocation_refusal`)
     fixed_allocation: ClassVar[str] = ""
+    #: whether :meth:`score` reads ``obs.attention_input`` (the attention modules' inputs, recorded
+    #: during the prefill and kept in shared-prefill snapshots only for such methods: KVzap)
+    wants_attention_inputs: ClassVar[bool] = False
 
     window: int = 32
     sinks: int = 0

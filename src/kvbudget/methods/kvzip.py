@@ -110,6 +110,13 @@ class ReconstructionScores(CompressionSession):
         self.span = (0, 0, 0)  # lead, start, end
 
     def after_attention(self, layer_idx: int, query: torch.Tensor, layer: Any, scaling: float, layers=None):
+        self.score_pass(layer_idx, query, layer, scaling)
+        if layers is not None:  # drop this layer's copy with the pass's tokens: back to the context
+            layers[layer_idx] = self.context[layer_idx].shallow_copy()
+
+    def score_pass(self, layer_idx: int, query: torch.Tensor, layer: Any, scaling: float) -> None:
+        """Score the chunk's entries of layer ``layer_idx`` from the pass's post-RoPE queries
+        ``query: [1, q_heads, q, d]`` over ``layer`` (the context followed by the pass's tokens)."""
         lead, start, end = self.span
         n = self.context[layer_idx].keys.shape[2]
         keys = layer.keys[0].float()  # [h, n + q, d]
@@ -140,8 +147,6 @@ class ReconstructionScores(CompressionSession):
             probs = self.weigh(probs, layer_idx, layer, slice(a, b), slice(start, end))
             best = torch.maximum(best, probs.amax(dim=(1, 2)))
         self.scores[layer_idx][:, start:end] = best.to(self.scores[layer_idx].device)
-        if layers is not None:  # drop this layer's copy with the pass's tokens: back to the context
-            layers[layer_idx] = self.context[layer_idx].shallow_copy()
 
     def weigh(
         self, probs: torch.Tensor, layer_idx: int, layer: Any, rows: slice, columns: slice
@@ -342,13 +347,23 @@ class KVzip(Method):
             feed = torch.tensor([request + prompts.suffix + tokens[start:end]], dtype=torch.long)
             session.span = (min(anchors, start), start, end)
             positions = torch.arange(last_pos + 1, last_pos + 1 + feed.shape[1])[None]
-            model(
-                input_ids=feed.to(model.device), position_ids=positions.to(model.device),
-                past_key_values=clone, use_cache=True, logits_to_keep=1,
-            )  # fmt: skip
+            self.replay(model, clone, session, feed.to(model.device), positions.to(model.device))
             for i, layer in enumerate(context):  # a layer the pass did not reach is restored too
                 clone.layers[i] = layer.shallow_copy()
         return scores, min(anchors, n_r)
+
+    def replay(
+        self,
+        model: PreTrainedModel,
+        clone: BudgetCache,
+        session: ReconstructionScores,
+        feed: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """One reconstruction pass: ``feed: [1, q]`` ids at ``positions: [1, q]`` over ``clone``
+        (the row's context), scored by ``session`` after each layer's attention (KVgrad also runs a
+        backward pass: :mod:`kvbudget.methods.kvgrad`)."""
+        model(input_ids=feed, position_ids=positions, past_key_values=clone, use_cache=True, logits_to_keep=1)
 
     def keep(
         self, cache: BudgetCache, scores: list[torch.Tensor], anchors: list[int], session: CompressionSession

@@ -66,9 +66,18 @@ class LagKV(Method):
     of earlier layers during the prefill (the authors' chunked prefill attends to the compressed
     earlier chunks). Nothing is evicted while decoding.
 
+    kvpress's ``LagKVPress`` (the ``kvpress:lagkv`` rows) differs at its defaults in ``n_sink = 4``:
+    ``lagkv:sinks=4`` keeps its positions (``tests/test_kvpress_oracle.py``). The sinks also set
+    where the 128-token partitions start, so 4 and 16 sinks keep different tokens of a needle
+    near a partition boundary (issue #48: neither finds more needles across prompts). Two more
+    differences are not settings: kvpress scores in the cache's dtype (bf16 on the leaderboard,
+    where rounding ties and reorders about 6 % of the kept entries; ours in fp32), and it leaves
+    the entries an uneven split leaves over to ``topk``'s order among equal ranks.
+
     Args:
         lag_size: partition length ``L`` (default 128, the authors' published cache default).
-        sinks: first tokens always kept (default 16, the authors' ``sink_size``; kvpress uses 4).
+        sinks: first tokens always kept (default 16, the authors' ``sink_size``, also their
+            published cache's; kvpress's press uses 4: ``lagkv:sinks=4``).
         window: extra recent entries always kept (default 0: the tail already is the recent part).
     """
 

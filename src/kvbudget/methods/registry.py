@@ -30,6 +30,7 @@ from kvbudget.methods.cake import CAKE
 from kvbudget.methods.cam import CaM
 from kvbudget.methods.chunkkv import ChunkKV
 from kvbudget.methods.combinations import COMBINATIONS, Combination
+from kvbudget.methods.compactor import Compactor
 from kvbudget.methods.d2o import D2O
 from kvbudget.methods.expected_attention import ExpectedAttention
 from kvbudget.methods.fastkv import FastKV
@@ -38,10 +39,13 @@ from kvbudget.methods.gemfilter import GemFilter
 from kvbudget.methods.h2o import H2O
 from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
+from kvbudget.methods.kvgrad import KVgrad
+from kvbudget.methods.kvzap import KVzap
 from kvbudget.methods.kvzip import KVzip
 from kvbudget.methods.kvzip_plus import KVzipPlus
 from kvbudget.methods.lagkv import LagKV
 from kvbudget.methods.lava import LAVa
+from kvbudget.methods.leverage import Leverage
 from kvbudget.methods.lookahead import LAQ, LAQLava
 from kvbudget.methods.observed_attention import ObservedAttention
 from kvbudget.methods.presets import preset_options, split_preset
@@ -92,11 +96,15 @@ _ORDER: tuple[type[Method] | str, ...] = (
     GemFilter,
     PyramidInfer,
     KeyDiff,
+    Leverage,
+    Compactor,
     LagKV,
     ChunkKV,
     QFilter,
     KVzip,
     KVzipPlus,
+    KVgrad,
+    KVzap,
     ExpectedAttention,
     RKV,
 )

@@ -38,6 +38,11 @@ context and question when question-aware); the row records the ratio and ``compr
 (``n``). With ``--keep-going`` a run that raises answers a row with ``"error"`` (its one-line
 message) instead of ending the process. Scoring stays on kvbudget's side.
 
+A job with ``"seed"`` seeds torch's global generator with it right before the press's prefill
+(:func:`seed_draws`): presses that draw from it (``LeverageScorePress``'s and ``CompactorPress``'s
+sketches) then draw the same numbers in every run, and kvbudget's ``leverage`` and ``compactor`` with
+that ``seed`` draw them too.
+
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
 against the full cache's, or from AdaKV's masked indices) — the oracle test compares them with
@@ -82,6 +87,13 @@ def make_press(job: dict, k_len: int):
         inner = inner_cls(compression_ratio=ratio, **job["inner"].get("kwargs", {}))
         return cls(press=inner, **job.get("kwargs", {}))
     return cls(compression_ratio=ratio, **job.get("kwargs", {}))
+
+
+def seed_draws(job: dict) -> None:
+    """Seed torch's global generator with the job's ``"seed"``, if it gives one (call it right before
+    the press's prefill, so the press's random draws are the first after the seeding)."""
+    if job.get("seed") is not None:
+        torch.manual_seed(int(job["seed"]))
 
 
 def cache_entries(cache, model) -> tuple[int, int]:
@@ -154,6 +166,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
         press.compress = _timed(press.compress, compress_s)  # this instance only
     model.set_attn_implementation(job.get("attn", "sdpa"))
     cache = DynamicCache()
+    seed_draws(job)
     start = time.perf_counter()
     with press(model) if press is not None else contextlib.nullcontext():
         if aware:  # the prompt's last logits come from the compressed prefill itself
@@ -209,6 +222,7 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
     model.model(input_ids=ctx, past_key_values=full)
     press = make_press(job, ctx.shape[1])
     cache = DynamicCache()
+    seed_draws(job)
     with press(model):
         model.model(input_ids=ctx, past_key_values=cache)
     layers = []

@@ -42,15 +42,19 @@ from kvbudget.session import CompressionSession, Phase, replay_prefill
 
 
 @torch.inference_mode()
-def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs, hidden_states: bool = False) -> Snapshot:
+def take_snapshot(
+    model: PreTrainedModel, inputs: PrefillInputs, hidden_states: bool = False, attention_inputs: bool = False
+) -> Snapshot:
     """Prefill ``inputs``' compressed part with the full cache, recording every layer's queries.
 
     ``hidden_states``: also keep each decoder layer's output (``layers × n × hidden`` floats more),
-    so prune-stage methods can derive from the snapshot too.
+    so prune-stage methods can derive from the snapshot too. ``attention_inputs``: also keep each
+    attention module's input (as many floats), for methods that score from it (KVzap).
     """
     attach(model)
     recorder = CompressionSession(FullCache(), model.config.num_hidden_layers, budget=1)
     recorder.phase = Phase.RECORD
+    recorder.record_attention_inputs = attention_inputs
     cache = BudgetCache(model.config.num_hidden_layers, recorder)
     hidden: list[torch.Tensor] = []
     hooks = []
@@ -68,6 +72,7 @@ def take_snapshot(model: PreTrainedModel, inputs: PrefillInputs, hidden_states: 
     return Snapshot(
         inputs, cache, recorder.recorded_queries, recorder.scaling, logits, seconds,
         hidden if hidden_states else None,
+        attention_inputs=recorder.attention_inputs if attention_inputs else None,
     )  # fmt: skip
 
 
@@ -111,8 +116,20 @@ def derive(
         cache, logits, inputs = derive_pruned(model, snapshot, session)
         session.phase = Phase.DECODE
         return cache, logits, inputs.mask, inputs.positions[:, -1]
+    if getattr(method, "wants_attention_inputs", False) and snapshot.attention_inputs is None:
+        raise KVBudgetError(
+            f"{method.name} scores from the attention modules' inputs, so it derives from a snapshot "
+            "only with them — take it with take_snapshot(..., attention_inputs=True)"
+        )
     cache = BudgetCache(num_layers, session)
-    for _ in replay_prefill(cache, snapshot.cache.layers, snapshot.queries, snapshot.scaling):
+    replayed = replay_prefill(
+        cache,
+        snapshot.cache.layers,
+        snapshot.queries,
+        snapshot.scaling,
+        attention_inputs=snapshot.attention_inputs,
+    )
+    for _ in replayed:
         pass  # every layer
     run_lookahead(model, snapshot.inputs, cache, snapshot.logits, eos)
     logits = append_uncompressed(model, snapshot.inputs, cache)

@@ -341,12 +341,46 @@ ORACLE_2026 = {
         **_ratio_job("compactor-96", "CompactorPress", {"chunk_size": 96, "blending": 1.0}, 150, 0.5),
         "seed": 0,
     },
+    # "kvzap_weights": the surrogate of that kind the fixture writes, given to both sides
+    "kvzap:kind=linear": {
+        **_ratio_job("kvzap-linear", "KVzapPress", {"model_type": "linear"}, 150, 0.5),
+        "kvzap_weights": "linear",
+    },
+    "kvzap": {
+        **_ratio_job("kvzap-mlp", "KVzapPress", {"model_type": "mlp"}, 150, 0.5),
+        "kvzap_weights": "mlp",
+    },
 }
+
+
+def _kvzap_surrogates(model, folder: Path) -> dict[str, str]:
+    """A random surrogate of each kind for ``model`` (the oracle's: no training needed to compare)."""
+    from kvbudget.methods.kvzap_surrogate import Surrogate, save_surrogate
+    from kvbudget.profiles import config_hash
+
+    c = model.config
+    layers, kv, hidden = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    shapes = {
+        "linear": {"weight": (layers, kv, hidden), "bias": (layers, kv)},
+        "mlp": {"w1": (layers, 32, hidden), "b1": (layers, 32), "w2": (layers, kv, 32), "b2": (layers, kv)},
+    }
+    meta = {"config_hash": config_hash(c)}
+    return {
+        kind: str(
+            save_surrogate(
+                Surrogate(kind, {k: torch.randn(*s, generator=gen) for k, s in t.items()}, meta),
+                folder / f"kvzap-{kind}.safetensors",
+            )
+        )  # fmt: skip
+        for kind, t in shapes.items()
+    }
+
 
 #: methods whose layer-0 scores depend on the token alone (a token's pre-RoPE keys are the same
 #: wherever it stands): a repeated token's entries tie exactly there and each side's top-k breaks
 #: the tie its own way, so layer 0 is compared as the kept tokens (a multiset), deeper layers as positions
-TIED_BY_TOKEN = {"leverage"}
+TIED_BY_TOKEN = {"leverage", "kvzap"}  # kvzap: layer 0's attention input is the token's embedding, normed
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +403,10 @@ def oracle_2026(tmp_path_factory: pytest.TempPathFactory) -> dict:
         for seed in (1, 2)
     ]
     (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    (tmp / "jobs.json").write_text(json.dumps(list(ORACLE_2026.values())))
+    surrogates = _kvzap_surrogates(tiny_model("llama", seed=3), tmp)
+    jobs = [{**job, "kvzap_weights": surrogates[job["kvzap_weights"]]} if "kvzap_weights" in job else job
+            for job in ORACLE_2026.values()]  # fmt: skip
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
     subprocess.run(
         [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
          "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
@@ -379,7 +416,8 @@ def oracle_2026(tmp_path_factory: pytest.TempPathFactory) -> dict:
     rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(tmp / "model").eval()  # name_or_path: the saved folder
     return {"model": model, "ids": {s["id"]: s["context_ids"] for s in samples},
-            "kept": {(r["sample"], r["method"]): r["indices"] for r in rows}}  # fmt: skip
+            "kept": {(r["sample"], r["method"]): r["indices"] for r in rows},
+            "kvzap": surrogates}  # fmt: skip
 
 
 def _kept_2026(model, ids: list[int], spec: str, job: dict, **options) -> list[list[list[int]]]:
@@ -428,6 +466,8 @@ def test_new_methods_keep_kvpress_indices(oracle_2026: dict, spec: str, sample: 
     options = {}
     if spec in ("kvzip:chunk=100", "kvgrad:chunk=100"):
         options["continue_prompt"] = "\n\nRepeat the part of the previous context exactly, starting with"
+    if "kvzap_weights" in job:  # the surrogate kvpress's KVzapPress was given
+        options["surrogate"] = oracle_2026["kvzap"][job["kvzap_weights"]]
     model = oracle_2026["model"]
     theirs = oracle_2026["kept"][(sample, job["method"])]
     ours = _kept_2026(model, oracle_2026["ids"][sample], spec, job, **options)
@@ -462,6 +502,7 @@ def test_new_methods_oracle_has_teeth(oracle_2026: dict) -> None:
     assert other_draw[1:] != oracle_2026["kept"][("s1", "leverage-8")][1:]  # another seed, other sketches
     other_draw = _kept_2026(model, ids, "compactor:chunk=100,sketch=8,seed=1", ORACLE_2026["compactor"])
     assert other_draw != oracle_2026["kept"][("s1", "compactor-100")]
+    assert oracle_2026["kept"][("s1", "kvzap-linear")] != oracle_2026["kept"][("s1", "kvzap-mlp")]
     unblended = _kept_2026(model, ids, "compactor:blending=0.0", ORACLE_2026["compactor"])
     assert unblended != oracle_2026["kept"][("s1", "compactor")]  # the leverage term counts
 

@@ -48,8 +48,10 @@ class KVzap(Method):
     own request text after the chat template's prefix), not kvpress's single unchunked pass; the
     training texts are the registry's (essays, Austen, standard-library code), not Nemotron's
     pretraining sample; the prefill stage only (the paper also scores decoded tokens: not here).
-    kvpress's ``KVzapPress`` loads its surrogates from a model hub by the model's name and has no
-    way to take a local one, so there is no kvpress oracle on kept positions.
+    kvpress's ``KVzapPress`` loads its surrogates from a model hub by the model's name; its oracle
+    (``tests/test_kvpress_oracle.py``) hands it the same local surrogate (the runner sets the model it
+    would have downloaded) and both keep the same positions at a budget, for either kind (layer 0
+    as the same tokens: there a repeated token's attention input, hence its score, ties).
 
     Args:
         kind: ``mlp`` (the paper's default) or ``linear``.
@@ -66,6 +68,7 @@ class KVzap(Method):
         "surrogate trained here (`kvbudget train kvzap`); per-head top-k, or a score threshold"
     )
     code: ClassVar[str] = "NVIDIA/kvpress"
+    kvpress: ClassVar[str] = "KVzapPress"
     wants_attention_inputs: ClassVar[bool] = True
     small_options: ClassVar[dict[str, Any]] = {"kind": "linear"}
     fixed_allocation: ClassVar[str] = "each head keeps its budget, or what the threshold leaves"

@@ -283,7 +283,7 @@ def fit_mlp(
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
                 optimizer.step()
-                total += float(loss) * idx.numel()
+                total += float(loss.detach()) * idx.numel()
             schedule.step()
             if progress is not None:
                 progress(epoch + 1, total / m)

@@ -38,6 +38,9 @@ context and question when question-aware); the row records the ratio and ``compr
 (``n``). With ``--keep-going`` a run that raises answers a row with ``"error"`` (its one-line
 message) instead of ending the process. Scoring stays on kvbudget's side.
 
+A job with ``"kvzap_weights"`` (a kvbudget surrogate file) gives ``KVzapPress`` that surrogate instead
+of the hub download it would make (:func:`bind_kvzap`).
+
 A job with ``"seed"`` seeds torch's global generator with it right before the press's prefill
 (:func:`seed_draws`): presses that draw from it (``LeverageScorePress``'s and ``CompactorPress``'s
 sketches) then draw the same numbers in every run, and kvbudget's ``leverage`` and ``compactor`` with
@@ -87,6 +90,40 @@ def make_press(job: dict, k_len: int):
         inner = inner_cls(compression_ratio=ratio, **job["inner"].get("kwargs", {}))
         return cls(press=inner, **job.get("kwargs", {}))
     return cls(compression_ratio=ratio, **job.get("kwargs", {}))
+
+
+def bind_kvzap(press, job: dict, model) -> None:
+    """Give a ``KVzapPress`` (bare, or inside a wrapper) the surrogate of the job's ``"kvzap_weights"``
+    (a kvbudget surrogate file: ``kvbudget train kvzap``) instead of the hub download it would make:
+    kvpress names the hub model after ``model``'s name and loads it on entering the press unless the
+    press already holds a model under that name, so both are set here."""
+    path = job.get("kvzap_weights")
+    if not path:
+        return
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+    from safetensors import safe_open
+
+    inner = getattr(press, "press", press)
+    with safe_open(path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    linear = "weight" in tensors
+    first = tensors["weight"] if linear else tensors["w1"]
+    kv = tensors["bias"].shape[1] if linear else tensors["b2"].shape[1]
+    config = KVzapConfig(input_dim=first.shape[2], output_dim=kv, n_modules=first.shape[0],
+                         hidden_dim=None if linear else first.shape[1])  # fmt: skip
+    surrogate = KVzapModel(config)
+    with torch.no_grad():
+        for i, module in enumerate(surrogate.layers):
+            if linear:
+                module.weight.copy_(tensors["weight"][i])
+                module.bias.copy_(tensors["bias"][i])
+            else:
+                module[0].weight.copy_(tensors["w1"][i])
+                module[0].bias.copy_(tensors["b1"][i])
+                module[2].weight.copy_(tensors["w2"][i])
+                module[2].bias.copy_(tensors["b2"][i])
+    inner.kvzap_model = surrogate.eval()
+    inner.kvzap_model_name = f"nvidia/KVzap-{inner.model_type}-{model.config.name_or_path.split('/')[-1]}"
 
 
 def seed_draws(job: dict) -> None:
@@ -161,6 +198,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
         if not aware:
             raise ValueError(f"{job['press']} needs the question in the prefill: run it question-aware")
         prefill_ids = finch_prompt(press, model, sample)
+    bind_kvzap(press, job, model)
     compress_s = [0.0]
     if press is not None:
         press.compress = _timed(press.compress, compress_s)  # this instance only
@@ -221,6 +259,7 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
     full = DynamicCache()
     model.model(input_ids=ctx, past_key_values=full)
     press = make_press(job, ctx.shape[1])
+    bind_kvzap(press, job, model)
     cache = DynamicCache()
     seed_draws(job)
     with press(model):

@@ -47,6 +47,18 @@ def test_tied_best_methods_render_the_same_row_in_any_order():
     assert best_row.endswith("| 1 |")
 
 
+def test_a_press_screened_on_fewer_samples_waits_until_it_finishes_them():
+    """A press with 3 samples (a screen) neither empties the comparison nor becomes the best, however
+    well it scores; once it has the most complete presses' samples it counts."""
+    tables = _load()
+    rows = _rows({"full": 1.0, "snapkv": 0.5, "kvpress:snapkv": 0.0})
+    screened = [{**r, "label": "kvpress:kvzip", "score": 1.0} for r in _rows({"x": 0.0}) if r["sample"] < 3]
+    pair = tables.best_pair(rows + screened, 0.5)
+    assert pair is not None and pair.peer == "kvpress:snapkv" and "kvpress:kvzip" not in pair.peer_labels
+    finished = [{**r, "label": "kvpress:kvzip", "score": 1.0} for r in _rows({"x": 0.0})]
+    assert tables.best_pair(rows + finished, 0.5).peer == "kvpress:kvzip"
+
+
 def test_a_single_best_is_named_without_a_tie_note():
     tables = _load()
     means = {"a": 0.5, "b": 0.75, "c": 0.25}

@@ -676,15 +676,18 @@ class BestPair:
 
 
 def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
-    """kvbudget's best against kvpress's best at ``ratio``, on the tasks every kvpress press and both
-    bests finished (``MIN_SAMPLES`` each); ``None`` until such tasks exist."""
+    """kvbudget's best against kvpress's best at ``ratio``, on the tasks both bests finished
+    (``MIN_SAMPLES`` each): the largest task set a kvpress press finished, and every press that
+    finished those tasks (a press screened on fewer samples or tasks is left out until it finishes
+    them); ``None`` until such tasks exist."""
     column = ("r", ratio)
     mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
     complete = _complete_tasks(mine, column)
-    peers = [label for label in complete if label.startswith(PEER_PREFIX)]
-    if not peers:
+    finished = [complete[label] for label in complete if label.startswith(PEER_PREFIX) and complete[label]]
+    if not finished:
         return None
-    tasks = set.intersection(*(complete[label] for label in peers))
+    tasks = max(finished, key=lambda t: (len(t), sorted(t)))
+    peers = [label for label in complete if label.startswith(PEER_PREFIX) and tasks <= complete[label]]
     ours = [label for label in complete
             if label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
             and tasks <= complete[label]]  # fmt: skip
@@ -698,7 +701,8 @@ def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
 
 def best_against_kvpress(rows: list[dict], ratios: tuple[float, ...]) -> list[str]:
     """At each ratio, kvbudget's best method held to the budget against kvpress's best press, on the
-    tasks every kvpress press and both bests finished: their means and the paired difference."""
+    tasks the most complete kvpress presses and both bests finished: their means and the paired
+    difference."""
     lines = [
         "| ratio | kvbudget's best | kvpress's best | best − best [95% CI] | tasks |",
         "|---|---|---|---|---|",

@@ -4,8 +4,9 @@
         [--plot docs/leaderboard-summary.png]
 
 Per track (question-agnostic first, kvpress's protocol) and ratio: kvbudget's best method held to
-the budget against kvpress's best press on the tasks every press finished, their means and the
-paired difference with its 95% stratified bootstrap interval (``claims_tables.best_pair``). The
+the budget against kvpress's best press on the tasks the most complete presses finished, their
+means and the paired difference with its 95% stratified bootstrap interval
+(``claims_tables.best_pair``). The
 plot draws score against ratio for the top methods of both libraries in both tracks, each point
 the mean over the tasks run at every ratio (:data:`claims_tables.EVERY_RATIO`).
 """

@@ -747,6 +747,11 @@ def demo(
     run_demo(model=model, length=length, out=out, console=console, dtype=dtype)
 
 
+#: ``--device`` of the bench commands
+DeviceOption = Annotated[
+    str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
+]
+
 bench_app = typer.Typer(help="Latency, memory and scaling benchmarks; `bench peer` compares with kvpress.")
 app.add_typer(bench_app, name="bench")
 
@@ -778,9 +783,7 @@ def bench(
     out: Annotated[Path, typer.Option(help="Output directory (bench.json, bench.md, plots).")] = Path(
         "runs/bench"
     ),
-    device: Annotated[
-        str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
-    ] = "cpu",
+    device: DeviceOption = "cpu",
     random_weights: Annotated[
         bool,
         typer.Option(
@@ -924,9 +927,7 @@ def bench_serve(
         Path | None,
         typer.Option(help="OpenVINO IR folder of the model (default: the registry model's `openvino/`)."),
     ] = None,
-    device: Annotated[
-        str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
-    ] = "cpu",
+    device: DeviceOption = "cpu",
     random_weights: Annotated[
         bool,
         typer.Option(

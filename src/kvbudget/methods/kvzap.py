@@ -11,7 +11,6 @@ from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.methods.base import Method, RunState
 from kvbudget.methods.kvzap_surrogate import KINDS, Surrogate, resolve_surrogate
 from kvbudget.observation import Observation
-from kvbudget.selection import protected_mask, select_keep
 
 
 @dataclass
@@ -97,7 +96,8 @@ class KVzap(Method):
         """A run with the model's surrogate bound."""
         if model is None:
             return KVzapRun()
-        return KVzapRun(surrogate=resolve_surrogate(model, self.surrogate, self.kind))
+        surrogate = resolve_surrogate(model, self.surrogate, self.kind)
+        return KVzapRun(surrogate=surrogate.on(next(model.parameters()).device))
 
     def score(self, obs: Observation) -> torch.Tensor:
         surrogate = getattr(self.run_of(obs), "surrogate", None)
@@ -113,21 +113,15 @@ class KVzap(Method):
             )
         return surrogate.predict(obs.layer_idx, obs.attention_input).transpose(1, 2)  # [b, kv_heads, n]
 
-    def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+    def window_for(self, budget: int) -> int:
+        """The threshold never evicts its last ``threshold_window``; a budget keeps ``window``."""
+        return self.window if self.threshold is None else self.threshold_window
+
+    def head_budgets(
+        self, scores: torch.Tensor, layer_budget: int, protected: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """At a budget each head keeps ``layer_budget``; with a threshold, what scores at least it
+        (and what is protected), whatever the budget."""
         if self.threshold is None:
-            return super().compress_layer(obs, targets)
-        lengths = obs.lengths
-        kept = lengths[:, None].expand(-1, obs.num_kv_heads).clone().cpu()
-        if all(t is None for t in targets):
-            return kept
-        scores = self.score(obs)
-        valid = obs.valid
-        protected = torch.zeros_like(valid)
-        for r, target in enumerate(targets):
-            if target is None:
-                continue
-            protected[r] = protected_mask(obs.positions[r : r + 1], self.threshold_window, self.sinks)[0]
-            stays = (protected[r] | (scores[r] >= self.threshold)) & valid[r]  # [kv_heads, n]
-            kept[r] = stays.sum(-1).cpu()
-        obs.layer.keep(select_keep(scores, kept, valid, protected))
-        return kept
+            return super().head_budgets(scores, layer_budget, protected, valid)
+        return ((protected | (scores >= self.threshold)) & valid).sum(-1).cpu()

@@ -63,14 +63,28 @@ class Surrogate:
     kind: str
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    _moved: dict[str, Surrogate] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:
         return int(next(iter(self.tensors.values())).shape[0])
 
+    def on(self, device: torch.device | str) -> Surrogate:
+        """This surrogate with its parameters on ``device`` (moved once, then kept: a prefill on a GPU
+        copies nothing per layer)."""
+        device = torch.device(device)
+        if all(t.device == device for t in self.tensors.values()):
+            return self
+        key = str(device)
+        if key not in self._moved:
+            self._moved[key] = Surrogate(
+                self.kind, {k: v.to(device) for k, v in self.tensors.items()}, self.meta
+            )
+        return self._moved[key]
+
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """``x: [..., hidden]`` → ``[..., kv_heads]`` predicted log scores (fp32, on ``x``'s device)."""
-        t = {k: v[layer].to(x.device) for k, v in self.tensors.items()}
+        t = {k: v[layer].to(x.device) for k, v in self.tensors.items()}  # a no-op once :meth:`on` moved them
         x = x.float()
         if self.kind == "linear":
             return x @ t["weight"].T + t["bias"]
@@ -151,9 +165,8 @@ def resolve_surrogate(model: PreTrainedModel, path: str, kind: str) -> Surrogate
             memo[key] = load_surrogate(default_surrogate_path(model, kind), model)
         else:
             warnings.warn(
-                f"no trained KVzap surrogate for this model ({default_surrogate_path(model, kind)}); "
-                "kvzap uses "
-                "a linear one fitted on the bundled prompts — run `kvbudget train kvzap --model ...`",
+                f"no trained KVzap surrogate for this model ({default_surrogate_path(model, kind)}); kvzap "
+                "uses a linear one fitted on the bundled prompts — run `kvbudget train kvzap --model ...`",
                 stacklevel=3,
             )
             memo[key] = builtin_surrogate(model)
@@ -165,19 +178,16 @@ def builtin_surrogate(model: PreTrainedModel) -> Surrogate:
     without a trained one. Tokenised with the model's stored tokenizer, or the bytes folded into
     the vocabulary (the tiny test models), as the built-in profile."""
     from kvbudget.profile_prompts import BUILTIN_CODE, BUILTIN_TEXT
-    from kvbudget.profiles import local_tokenizer
+    from kvbudget.profiles import folded_prompt, local_tokenizer, prompt_from_spec
 
     tokenizer = local_tokenizer(model)
-    xs, ys = [], []
-    for text in (BUILTIN_TEXT, BUILTIN_CODE):
-        if tokenizer is not None:
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:512]
-        else:
-            vocab = int(model.config.vocab_size)
-            ids = [3 + b % max(vocab - 3, 1) for b in text.encode("utf-8")][:256]
-        x, y = kvzip_plus_pairs(model, ids)
-        xs.append(x)
-        ys.append(y)
+    if tokenizer is not None:
+        prompts = [prompt_from_spec(f"builtin-{kind}:512", tokenizer) for kind in ("text", "code")]
+    else:
+        vocab = int(model.config.vocab_size)
+        prompts = [folded_prompt(f"builtin-{kind}", text, kind, vocab) for kind, text in
+                   (("text", BUILTIN_TEXT), ("code", BUILTIN_CODE))]  # fmt: skip
+    xs, ys = zip(*(kvzip_plus_pairs(model, prompt.ids) for prompt in prompts), strict=True)
     surrogate = fit_linear(torch.cat(xs, dim=1), torch.cat(ys, dim=1))
     surrogate.meta = {"config_hash": config_hash(model.config), "kvbudget_version": kvbudget_version(),
                       "trained_on": "the bundled prompts (builtin-text, builtin-code)"}  # fmt: skip

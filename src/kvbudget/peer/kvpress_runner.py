@@ -274,7 +274,9 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
             dist = torch.cdist(kept_keys[h].double(), full_keys[h].double())  # [k, n]
             best = dist.min(-1)
             if float(best.values.max()) > 1e-6 * float(full_keys[h].norm(dim=-1).max()):
-                raise RuntimeError(f"layer {li} head {h}: a kept key matches no key of the full cache")
+                raise RuntimeError(
+                    f"{job['method']}: layer {li} head {h}: a kept key matches no key of the full cache"
+                )
             idx = set(best.indices.tolist())
             if masked is not None:
                 b, hh, s = masked

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import kvbudget
 from conftest import seeded, tiny_model, tiny_tokenizer
-from kvbudget.errors import KVBudgetError, ProfileError
+from kvbudget.errors import KVBudgetError, MethodOptionError, ProfileError
 from kvbudget.methods.kvzap_surrogate import (
     Surrogate,
     fit_linear,
@@ -238,3 +238,78 @@ def test_train_kvzap_refuses_bad_options_in_one_line(args, message) -> None:
     result = CliRunner().invoke(app, ["train", "kvzap", *args])
     assert result.exit_code != 0 and message in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ kvzap-decoding
+def _decode(model, method, context: list[int], question: list[int], budget: int, steps: int):
+    """Prefill ``context`` compressed, ``question`` appended whole, ``steps`` greedy tokens: the
+    cache and every token fed to it (the last generated one is not)."""
+    from kvbudget.engine import decode_loop, prefill
+    from kvbudget.session import CompressionSession
+
+    session = CompressionSession(method, LAYERS, budget=budget)
+    prompt = Prompt(context, question)
+    cache, logits, mask, last = prefill(model, [prompt], session, 0, compress_context_only=True)
+    decoded = decode_loop(model, cache, logits, mask, last, set(), steps)
+    return cache, context + question + decoded.generated[0][:-1]
+
+
+def test_decoding_by_threshold_evicts_what_leaves_the_window_below_it(model, tmp_path) -> None:
+    """Layer 0 (its attention input is the token's normalised embedding, whatever the cache holds):
+    after the prefill, the question and 12 decode steps, a head holds exactly the tokens scoring at
+    least ``T``, the question and the last ``W`` fed; deeper layers hold their last ``W`` and
+    differ per head."""
+    surrogate = _surrogate(model, "linear", seed=6)
+    path = save_surrogate(surrogate, tmp_path / "linear.safetensors")
+    context = torch.randint(3, 90, (40,), generator=seeded(7)).tolist()
+    question = torch.randint(3, 90, (6,), generator=seeded(8)).tolist()
+    x0 = _attention_inputs(model, torch.tensor([context]))[0]
+    threshold = float(np.median(_predicted(surrogate, 0, x0, 0)))
+    window = 8
+    method = make_method("kvzap-decoding", kind="linear", surrogate=str(path), threshold=threshold,
+                         threshold_window=window)  # fmt: skip
+    cache, fed = _decode(model, method, context, question, budget=20, steps=12)
+    n = len(fed)
+    assert n == 40 + 6 + 11
+    x0 = _attention_inputs(model, torch.tensor([fed]))[0]
+    held = _kept(cache)
+    for h in range(KV):
+        scores = _predicted(surrogate, 0, x0, h)
+        kept = [i for i in range(n) if scores[i] >= threshold or i >= n - window or 40 <= i < 46]
+        assert held[0][h] == kept, h  # the question (40–45) appended uncompressed stays
+    for layer in range(1, LAYERS):
+        for h in range(KV):
+            assert held[layer][h][-window:] == list(range(n - window, n)), (layer, h)
+    assert len({len(heads) for layer in held for heads in layer}) > 1
+
+
+def test_decoding_at_a_budget_evicts_the_lowest_scored_outside_the_window(model, tmp_path) -> None:
+    """Layer 0 step by step: the prefill keeps each head's 16 best-predicted context tokens, the
+    question joins outside the budget (and stays), then every fed token enters and, the head over
+    16 + 6, the lowest-scored entry outside the question and the newest ``min(W, budget)`` leaves."""
+    surrogate = _surrogate(model, "mlp", seed=9)
+    path = save_surrogate(surrogate, tmp_path / "mlp.safetensors")
+    context = torch.randint(3, 90, (40,), generator=seeded(10)).tolist()
+    question = torch.randint(3, 90, (6,), generator=seeded(11)).tolist()
+    method = make_method("kvzap-decoding", kind="mlp", surrogate=str(path), threshold_window=4)
+    cache, fed = _decode(model, method, context, question, budget=16, steps=10)
+    x0 = _attention_inputs(model, torch.tensor([fed]))[0]
+    limit = 16 + len(question)
+    for h in range(KV):
+        scores = _predicted(surrogate, 0, x0, h)
+        held = sorted(sorted(range(40), key=lambda i: (-scores[i], i))[:16]) + list(range(40, 46))
+        for token in range(46, len(fed)):
+            held.append(token)
+            if len(held) > limit:
+                free = [i for i in held[:-4] if not 40 <= i < 46]  # the question stays
+                held.remove(min(free, key=lambda i: (scores[i], -i)))
+        assert _kept(cache)[0][h] == held, h
+    assert all(len(heads) == limit for layer in _kept(cache) for heads in layer)
+
+
+def test_a_threshold_given_as_text_is_a_number() -> None:
+    """The CLI's ``kvzap:threshold=-6`` (an option whose default is ``None``) becomes ``-6.0``."""
+    assert make_method("kvzap", threshold="-6").threshold == -6.0
+    assert make_method("kvzap-decoding", threshold="none").threshold is None
+    with pytest.raises(MethodOptionError, match=r"^kvzap: option threshold expects float, got 'six'$"):
+        make_method("kvzap", threshold="six")

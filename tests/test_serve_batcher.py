@@ -27,13 +27,16 @@ TEXTS = [
     "pack my box with five dozen liquor jugs; " * 4,
     "how vexingly quick daft zebras jump! " * 2,
     "sphinx of black quartz, judge my vow. " * 5,
+    "five boxing wizards jump quickly at dawn " * 3,
 ]
-#: prefill-only, full, decode-stage (evicts every step) and per-head ragged methods side by side
+#: prefill-only, full, decode-stage (evicts every step), per-head ragged methods and one scoring each
+#: new token from its attention input (the batch's row, kvzap-decoding) side by side
 REQUESTS = [
     (Compression("snapkv:window=8", budget=16), 12),
     (Compression("full"), 9),
     (Compression("h2o", budget=24), 14),
     (Compression("ada-snapkv:window=8", ratio=0.5), 11),
+    (Compression("kvzap-decoding:kind=linear,threshold_window=4", budget=20), 10),
 ]
 
 

@@ -369,8 +369,11 @@ def _inject_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         if getattr(session, "wants_attention_inputs", False):  # profile recorders are sessions too
             session.before_attention(module, args[0] if args else kwargs["hidden_states"])
     elif isinstance(cache, JoinedCache):
-        for row in cache.rows:
+        for r, row in enumerate(cache.rows):
             row.attention_attached = True
+            if getattr(row.session, "wants_attention_inputs", False):  # row r's slice of the batch
+                hidden = args[0] if args else kwargs["hidden_states"]
+                row.session.before_attention(module, hidden[r : r + 1])
         kwargs["kvbudget_cache"] = cache
     elif isinstance(cache, StaticBudgetCache):
         kwargs["kvbudget_cache"] = cache

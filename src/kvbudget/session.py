@@ -207,8 +207,11 @@ class CompressionSession:
     def before_attention(self, module: nn.Module, hidden_states: torch.Tensor) -> None:
         """Called before an attention module runs, when :attr:`wants_attention_inputs` is set, with
         the module (its ``layer_idx``, its projections) and its input ``[b, q, hidden]``: kept in
-        :attr:`attention_inputs` for the layer's prefill observation (or the snapshot)."""
-        if self.phase in (Phase.PREFILL, Phase.RECORD):
+        :attr:`attention_inputs` for the layer's prefill observation (or the snapshot), and for its
+        decode observation when the method acts while decoding (KVzap's decoding variant)."""
+        if self.phase in (Phase.PREFILL, Phase.RECORD) or (
+            self.phase == Phase.DECODE and "decode" in self.method.stages
+        ):
             self.attention_inputs[int(module.layer_idx)] = hidden_states
 
     def after_attention(
@@ -260,7 +263,10 @@ class CompressionSession:
             self.compress_seconds += self.clock(query.device) - start
         elif self.phase == Phase.DECODE and "decode" in stages and self.row_budgets is not None:
             start = self.clock(query.device)
-            obs = Observation(layer_idx, self.num_layers, query, layer, scaling, run=self.run)
+            inputs = self.attention_inputs.pop(layer_idx, None)
+            obs = Observation(
+                layer_idx, self.num_layers, query, layer, scaling, run=self.run, attention_input=inputs
+            )
             self.method.decode_step(obs, self.decode_budgets())
             self.decode_seconds += self.clock(query.device) - start
 

@@ -46,7 +46,8 @@ class KVzap(Method):
     Deviations: *ours* — the targets are kvbudget's KVzip+ scores (KVzip's chunked pass with its
     own request text after the chat template's prefix), not kvpress's single unchunked pass; the
     training texts are the registry's (essays, Austen, standard-library code), not Nemotron's
-    pretraining sample; the prefill stage only (the paper also scores decoded tokens: not here).
+    pretraining sample; the prefill stage only (the paper also scores decoded tokens:
+    :class:`~kvbudget.methods.kvzap_decoding.KVzapDecoding`).
     kvpress's ``KVzapPress`` loads its surrogates from a model hub by the model's name; its oracle
     (``tests/test_kvpress_oracle.py``) hands it the same local surrogate (the runner sets the model it
     would have downloaded) and both keep the same positions at a budget, for either kind (layer 0

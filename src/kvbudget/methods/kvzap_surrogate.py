@@ -83,12 +83,14 @@ class Surrogate:
         return self._moved[key]
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``x: [..., hidden]`` → ``[..., kv_heads]`` predicted log scores (fp32, on ``x``'s device)."""
+        """``x: [..., hidden]`` → ``[..., kv_heads]`` predicted log scores (fp32, on ``x``'s device; never
+        differentiated: a forward under autograd does not track them)."""
         t = {k: v[layer].to(x.device) for k, v in self.tensors.items()}  # a no-op once :meth:`on` moved them
-        x = x.float()
-        if self.kind == "linear":
-            return x @ t["weight"].T + t["bias"]
-        return F.gelu(x @ t["w1"].T + t["b1"]) @ t["w2"].T + t["b2"]
+        with torch.no_grad():
+            x = x.float()
+            if self.kind == "linear":
+                return x @ t["weight"].T + t["bias"]
+            return F.gelu(x @ t["w1"].T + t["b1"]) @ t["w2"].T + t["b2"]
 
     def check_model(self, model: PreTrainedModel, where: str) -> None:
         """Refuse a surrogate trained for another model (config hash), in one line."""

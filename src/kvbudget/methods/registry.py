@@ -41,6 +41,7 @@ from kvbudget.methods.keydiff import KeyDiff
 from kvbudget.methods.knorm import KNorm
 from kvbudget.methods.kvgrad import KVgrad
 from kvbudget.methods.kvzap import KVzap
+from kvbudget.methods.kvzap_decoding import KVzapDecoding
 from kvbudget.methods.kvzip import KVzip
 from kvbudget.methods.kvzip_plus import KVzipPlus
 from kvbudget.methods.lagkv import LagKV
@@ -105,6 +106,7 @@ _ORDER: tuple[type[Method] | str, ...] = (
     KVzipPlus,
     KVgrad,
     KVzap,
+    KVzapDecoding,
     ExpectedAttention,
     RKV,
 )
@@ -178,10 +180,16 @@ def method_info(name: str) -> MethodInfo:
     )  # fmt: skip
 
 
-def _coerce(value: Any, default: Any, name: str, method: str) -> Any:
-    """Convert CLI strings to the type of the option's default."""
+def _coerce(value: Any, default: Any, name: str, method: str, annotation: Any = None) -> Any:
+    """Convert CLI strings to the type of the option's default (for a ``None`` default, to the number
+    type its annotation names, ``float | None``; ``none`` stays ``None``)."""
     if not isinstance(value, str) or isinstance(default, str):
         return value
+    if default is None:
+        if value.lower() == "none":
+            return None
+        numbers = [t for t in (float, int) if t.__name__ in str(annotation)]
+        default = numbers[0]() if numbers else None
     try:
         if isinstance(default, bool):
             if value.lower() in ("1", "true", "yes"):
@@ -230,7 +238,7 @@ def make_method(name: str, **options: Any) -> Method:
             f"{base}: unknown option(s) {', '.join(unknown)}; options are {', '.join(fields) or 'none'}",
             base, unknown[0], options[unknown[0]],
         )  # fmt: skip
-    converted = {k: _coerce(v, fields[k].default, k, base) for k, v in options.items()}
+    converted = {k: _coerce(v, fields[k].default, k, base, fields[k].type) for k, v in options.items()}
     return cls.named(base, **converted)
 
 

@@ -345,7 +345,7 @@ def test_every_registered_method_has_a_reference_test() -> None:
         # references in tests/test_kvzip_plus.py
         "kvzip+",
         # references in tests/test_kvzap.py
-        "kvzap",
+        "kvzap", "kvzap-decoding",
         # references in tests/test_leverage.py and tests/test_compactor.py
         "leverage", "compactor",
         # references in tests/test_kvgrad.py

@@ -4,6 +4,7 @@ tied methods are broken by name, not by the order a set of labels happens to ite
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import sys
 from pathlib import Path
@@ -188,3 +189,34 @@ def test_verdicts_table_corrects_each_family_by_holm_and_leaves_unrun_comparison
     ]
     assert cells[3][2] == "m − x" and cells[3][6] == cells[3][7] and cells[3][8] == "**reproduced**"
     assert cells[4][8] == "**pending (not run)**" and cells[5][3] == "not run"
+
+
+def test_the_cost_plot_pairs_each_score_with_its_median_time(tmp_path):
+    """lab/scripts/agnostic_cost_plot.py: a label is drawn with its mean over the core tasks (20
+    samples each) and the median prefill time of its side in bench peer's rows; one without a time,
+    or short of a task, is listed as not drawn."""
+    _load()  # the cost script imports claims_tables as a sibling
+    path = SCRIPT.with_name("agnostic_cost_plot.py")
+    spec = importlib.util.spec_from_file_location("agnostic_cost_plot", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    rows = []
+    for label, score in {"full": 1.0, "kvzip": 0.8, "kvpress:kvzip": 0.6, "leverage": 0.4}.items():
+        for task in cost.CORE[: None if label != "leverage" else -1]:  # leverage misses lcc
+            for sample in range(20):
+                rows.append({"label": label, "task": task, "length": 2048, "sample": sample, "score": score,
+                             "compression_ratio": None if label == "full" else 0.5})  # fmt: skip
+    ours = [{"method": "kvzip", "prefill_s": s} for s in (3.0, 1.0, 2.0)]
+    theirs = [{"method": "kvzip", "prefill_s": 5.0}, {"method": "leverage", "prefill_s": 0.5}]
+    (tmp_path / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    (tmp_path / "kvpress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in theirs))
+    times = cost.ttfts(tmp_path)
+    assert times == {"kvzip": 2.0, "kvpress:kvzip": 5.0, "kvpress:leverage": 0.5}
+    got = cost.scores(rows, 0.5)
+    assert got == {"kvzip": pytest.approx(0.8), "kvpress:kvzip": pytest.approx(0.6)}
+    points = {r: {} for r in cost.RATIOS} | {0.5: {k: (times[k], got[k]) for k in got}}
+    lines = cost.table(points, ["leverage", "kvpress:leverage"])
+    assert lines[2].startswith("| kvzip | 2.00 | 80.0 |") and lines[3].startswith(
+        "| kvpress:kvzip | 5.00 | 60.0 |"
+    )
+    assert "kvpress:leverage, leverage" in lines[-1]

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
 from kvbudget.bench.peer import (
+    AGNOSTIC_PEERS,
     PEERS,
     PeerConfig,
     make_jobs,
@@ -19,6 +20,7 @@ from kvbudget.bench.peer import (
     peer_python_path,
     run_ours,
     summarise,
+    with_surrogates,
 )
 from kvbudget.bench.peer import markdown as peer_markdown
 from kvbudget.cli import app
@@ -40,7 +42,7 @@ def test_ours_compresses_in_the_prefill_only() -> None:
     row = run_ours(model, _sample(6), "streamingllm", 40)
     per_token = model.config.num_hidden_layers * model.config.num_key_value_heads
     assert row["kept_entries"] == per_token * 40  # the compressed context
-    assert len(row["token_ids"]) == 6 and row["wall_s"] > 0
+    assert len(row["token_ids"]) == 6 and row["wall_s"] > row["prefill_s"] > 0
     # the question and 5 decoded tokens stay: a decode-stage method does not trim here
     assert row["final_entries"] == per_token * (40 + len(QUESTION) + 5)
 
@@ -68,6 +70,30 @@ def test_jobs_run_full_once_without_a_budget_and_last() -> None:
     ]  # fmt: skip
     assert jobs[-1]["press"] is None and all(j["question_aware"] for j in jobs)
     assert jobs[0]["press"] == "SnapKVPress" and jobs[0]["kwargs"] == {"window_size": 64, "kernel_size": 5}
+
+
+def test_the_question_agnostic_family_runs_on_request_with_the_leaderboards_press_settings(
+    tmp_path, monkeypatch
+) -> None:
+    """kvzip … kvzap pair with the leaderboard's ``kvpress:NAME`` settings; they are not in the
+    default list (KVzip's passes are slow, KVzap needs a trained surrogate), and KVzap's job gets the
+    model's surrogate file, or a one-line refusal when there is none."""
+    from kvbudget.eval.peer_rows import PRESSES
+    from kvbudget.methods.kvzap_surrogate import default_surrogate_path
+
+    assert not set(AGNOSTIC_PEERS) & set(PeerConfig().methods)
+    assert PEERS["kvzip+"][1] == PRESSES["kvzip_plus"] and PEERS["leverage"][1]["seed"] == 0
+    jobs = make_jobs(PeerConfig(methods=["kvzip", "kvzap-linear"], budgets=[64]))
+    pairs = [(j["method"], j["press"]) for j in jobs]
+    assert pairs == [("kvzip", "KVzipPress"), ("kvzap-linear", "KVzapPress")]
+    monkeypatch.setenv("KVBUDGET_HOME", str(tmp_path))
+    model = tiny_model("llama")
+    with pytest.raises(KVBudgetError, match=r"^kvzap-linear: no trained linear KVzap surrogate .* first$"):
+        with_surrogates(jobs, model)
+    path = default_surrogate_path(model, "linear")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    assert with_surrogates(jobs, model)[1]["kvzap_weights"] == str(path)
 
 
 def test_config_rejects_bad_settings() -> None:

@@ -795,7 +795,8 @@ def bench(
         str,
         typer.Option(
             help="eager, or static: the compressed cache in static buffers, one attention call per layer, a "
-            "CUDA graph per step on a GPU (methods that evict while decoding run eager; the row says why)."
+            "CUDA graph per step on a GPU (methods that evict while decoding run eager; the row says why); "
+            "static-compiled: the static step through torch.compile (compiled in the warm-up)."
         ),
     ] = "eager",
 ) -> None:
@@ -835,8 +836,9 @@ def bench_peer(
     methods: Annotated[
         list[str] | None,
         typer.Option(
-            help="Our methods with a kvpress counterpart (default: all); `full` (no compression on "
-            "either side) is the accuracy ceiling."
+            help="Our methods with a kvpress counterpart (default: the prefill-scoring ones; kvzip, "
+            "kvzip+, kvgrad, leverage, compactor, expected-attention, kvzap and kvzap-linear on "
+            "request); `full` (no compression on either side) is the accuracy ceiling."
         ),
     ] = None,
     budgets: Annotated[list[str] | None, typer.Option(help="Budgets: entries per KV head.")] = None,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbudget.errors import KVBudgetError
+from kvbudget.eval.peer_rows import PRESSES
 from kvbudget.peer.environment import RunnerServer, peer_python_path, runner_script
 
 #: our method spec ↔ kvpress press (name, options; ``inner`` for wrapper presses; ``attn`` when
@@ -61,6 +62,34 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "h2o": ("h2o:heavy_fraction=1.0", {"press": "ObservedAttentionPress", "attn": "eager"}),
     "full": ("full", {"press": None}),  # the reference: no compression on either side
 }
+#: the question-agnostic family (issue #48), each paired as its kvpress oracle test pairs it
+#: (``tests/test_kvpress_oracle.py``: same kept positions): the presses' settings are those of the
+#: leaderboard's ``kvpress:NAME`` rows (:data:`kvbudget.eval.peer_rows.PRESSES`); ``seed``: the
+#: runner seeds the sketches' generator; ``kvzap_weights``: the model's trained surrogate of that
+#: kind (``kvbudget train kvzap``), handed to both sides
+AGNOSTIC_PEERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (our spec, kvpress press name, extra job fields)
+    "kvzip": ("kvzip", "kvzip", {}),
+    "kvzip+": ("kvzip+", "kvzip_plus", {}),
+    "kvgrad": ("kvgrad", "kvgrad", {}),
+    "leverage": ("leverage", "leverage", {"seed": 0}),
+    "compactor": ("compactor", "compactor", {"seed": 0}),
+    "expected-attention": ("expected-attention:floor=kvpress", "expected_attention", {}),
+    "kvzap": ("kvzap", "kvzap", {"kvzap_weights": "mlp"}),
+    "kvzap-linear": ("kvzap:kind=linear", "kvzap", {"kvzap_weights": "linear"}),
+}
+
+
+def _agnostic_peers() -> dict[str, tuple[str, dict[str, Any]]]:
+    kvzap = {"kvzap": {"press": "KVzapPress", "kwargs": {"model_type": "mlp"}},
+             "kvzap-linear": {"press": "KVzapPress", "kwargs": {"model_type": "linear"}}}  # fmt: skip
+    return {
+        name: (spec, {**(kvzap[name] if press == "kvzap" else PRESSES[press]), **extra})
+        for name, (spec, press, extra) in AGNOSTIC_PEERS.items()
+    }
+
+
+PEERS.update(_agnostic_peers())
 
 #: seconds between two timed runs, a precaution: the side that just finished may still have
 #: OpenMP threads spin-waiting on the cores as the other side starts
@@ -73,7 +102,7 @@ class PeerConfig:
     tasks: list[str] = field(default_factory=lambda: ["needle"])
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])
     limit: int = 5
-    methods: list[str] = field(default_factory=lambda: list(PEERS))
+    methods: list[str] = field(default_factory=lambda: [m for m in PEERS if m not in AGNOSTIC_PEERS])
     budgets: list[int] = field(default_factory=lambda: [128, 256, 512])
     dtype: str = "float32"
     seed: int = 0
@@ -126,14 +155,36 @@ def make_jobs(config: PeerConfig) -> list[dict[str, Any]]:
     ]
 
 
+def with_surrogates(jobs: list[dict[str, Any]], model) -> list[dict[str, Any]]:
+    """KVzap's jobs with the path of ``model``'s trained surrogate of their kind (both sides load it);
+    refused in one line when the model has none."""
+    from kvbudget.methods.kvzap_surrogate import default_surrogate_path
+
+    out = []
+    for job in jobs:
+        kind = job.get("kvzap_weights")
+        if kind in ("linear", "mlp"):
+            path = default_surrogate_path(model, kind)
+            if not path.is_file():
+                raise KVBudgetError(
+                    f"{job['method']}: no trained {kind} KVzap surrogate for this model at {path}: "
+                    "run `kvbudget train kvzap --model ...` first"
+                )
+            job = {**job, "kvzap_weights": str(path)}
+        out.append(job)
+    return out
+
+
 def run_ours(
     model, sample: dict[str, Any], method: str, budget: int | None, question_aware: bool = False
 ) -> dict[str, Any]:
     """One sample through our method, compression in the prefill only; ``budget`` None: ``full``.
 
-    The row: the decoded ``token_ids``, ``wall_s`` (prefill to last token), ``kept_entries`` after
-    the prefill (the compressed prompt: question-agnostic, the context alone, as kvpress counts)
-    and ``final_entries`` after decoding (every entry, the question and decoded tokens included).
+    The row: the decoded ``token_ids``, ``wall_s`` (prefill to last token), ``prefill_s`` (the
+    compressed prefill and the appended question: the time to the first token's logits),
+    ``kept_entries`` after the prefill (the compressed prompt: question-agnostic, the context alone,
+    as kvpress counts) and ``final_entries`` after decoding (every entry, the question and decoded
+    tokens included).
     """
     import torch
 
@@ -162,7 +213,7 @@ def run_ours(
     question = model.config.num_hidden_layers * model.config.num_key_value_heads * appended
     return {
         "sample": sample["id"], "method": method, "budget": budget, "token_ids": decoded.generated[0],
-        "wall_s": wall_s, "kept_entries": kept // entry - question,
+        "wall_s": wall_s, "prefill_s": prefill_s, "kept_entries": kept // entry - question,
         "final_entries": cache.stats().logical_bytes // entry,
     }  # fmt: skip
 
@@ -299,8 +350,8 @@ def run_peer(config: PeerConfig, out: Path, progress: Callable[[str], None] | No
     say = progress or (lambda _msg: None)
     model, tokenizer = load_model(config.model, dtype=config.dtype)
     samples = export_samples(config, tokenizer, eos_ids(model, tokenizer), out / "samples.jsonl")
+    jobs = with_surrogates(make_jobs(config), model)
     del model  # the runners load their own copies
-    jobs = make_jobs(config)
     (out / "jobs.json").write_text(json.dumps(jobs, indent=1))
     rows: dict[str, list[dict[str, Any]]] = {"kvpress": [], "ours": []}
     servers = {"kvpress": kvpress_server(python, resolve_source(config.model), out / "samples.jsonl",

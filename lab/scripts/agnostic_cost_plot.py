@@ -1,0 +1,140 @@
+"""What each point of accuracy costs, question-agnostic: score against time to first token for the
+KVzip family, KVzap and the sketch scorers of both libraries (issue #48), from committed rows only.
+
+    .venv/bin/python lab/scripts/agnostic_cost_plot.py lab/results/leaderboard-agnostic \\
+        lab/results/agnostic-cost [--plot docs/agnostic-cost.png] [--update docs/leaderboard.md]
+
+The score of a method (``kvbudget`` label or ``kvpress:NAME``) at a ratio is its mean over the core
+tasks, each task's mean of 20 samples (the leaderboard's rows). Its time to first token is the median
+``prefill_s`` (the compressed context's prefill with the method's scoring, then the question's) of
+``kvbudget bench peer`` on both sides of each pair, interleaved run by run on the same samples — the
+leaderboard rows' own times are not used: those runs were paused and resumed while other work had
+the machine. A method without both figures is left out and listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import claims_tables as ct  # noqa: E402  (a sibling script)
+
+from kvbudget.bench.peer import AGNOSTIC_PEERS, PEERS  # noqa: E402
+from kvbudget.eval.paired import row_column  # noqa: E402
+from kvbudget.eval.report import PEER_PREFIX  # noqa: E402
+from kvbudget.eval.store import load_rows  # noqa: E402
+
+CORE = ("needle", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "vt", "lcc")
+RATIOS = (0.5, 0.75, 0.875)
+#: bench peer's name → (our leaderboard label, kvpress's leaderboard label)
+LABELS = {name: (spec, PEER_PREFIX + press) for name, (spec, press, _) in AGNOSTIC_PEERS.items()}
+
+
+def scores(rows: list[dict], ratio: float) -> dict[str, float]:
+    """Each label's mean over :data:`CORE` at ``ratio``, when it has 20 samples of every core task."""
+    column = ("r", ratio)
+    mine = [
+        r for r in rows if row_column(r) == column and r.get("score") is not None and r.get("error") is None
+    ]
+    complete = ct._complete_tasks(mine, column)
+    return {
+        label: ct._mean_over_tasks(mine, label, column, set(CORE))
+        for label, tasks in complete.items()
+        if label != "full" and set(CORE) <= tasks
+    }
+
+
+def ttfts(peer: Path) -> dict[str, float]:
+    """Median ``prefill_s`` per leaderboard label, from bench peer's ``ours.jsonl`` / ``kvpress.jsonl``."""
+    out = {}
+    for side, index in (("ours", 0), ("kvpress", 1)):
+        path = peer / f"{side}.jsonl"
+        if not path.is_file():
+            continue
+        by_method: dict[str, list[float]] = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("error") is None and row["method"] in LABELS:
+                by_method.setdefault(row["method"], []).append(row["prefill_s"])
+        for method, values in by_method.items():
+            out[LABELS[method][index]] = statistics.median(values)
+    return out
+
+
+def table(points: dict[float, dict[str, tuple[float, float]]], missing: list[str]) -> list[str]:
+    lines = ["| method | TTFT (s) | " + " | ".join(f"r = {r:g}" for r in RATIOS) + " |",
+             "|---|---|" + "---|" * len(RATIOS)]  # fmt: skip
+    labels = sorted(
+        {label for by in points.values() for label in by}, key=lambda x: (x.startswith(PEER_PREFIX), x)
+    )
+    for label in labels:
+        ttft = next(by[label][0] for by in points.values() if label in by)
+        cells = [f"{100 * points[r][label][1]:.1f}" if label in points[r] else "–" for r in RATIOS]
+        lines.append(f"| {label} | {ttft:.2f} | " + " | ".join(cells) + " |")
+    if missing:
+        lines += [
+            "",
+            "Not drawn (no score at any of these ratios or no time yet): " + ", ".join(sorted(missing)) + ".",
+        ]
+    return lines
+
+
+def plot(points: dict[float, dict[str, tuple[float, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(RATIOS), figsize=(5 * len(RATIOS), 4.2), sharey=True)
+    for ax, ratio in zip(axes, RATIOS, strict=True):
+        for label, (ttft, score) in sorted(points[ratio].items()):
+            peer = label.startswith(PEER_PREFIX)
+            ax.scatter(
+                ttft, 100 * score, marker="s" if peer else "o", color="tab:gray" if peer else "tab:blue"
+            )
+            ax.annotate(label, (ttft, 100 * score), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(f"question-agnostic, r = {ratio:g}")
+        ax.set_xlabel("time to first token (s, median; log scale)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean score over the core tasks (×100)")
+    fig.suptitle("kvbudget (circles) and kvpress (squares): score against the prefill's cost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("results", type=Path, help="the question-agnostic leaderboard's results folder")
+    parser.add_argument("peer", type=Path, help="a `kvbudget bench peer` output folder")
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--update", type=Path, help="a page with an `agnostic-cost` block to fill")
+    args = parser.parse_args()
+    rows = [r for r in load_rows(args.results / "results.jsonl") if r.get("error") is None]
+    times = ttfts(args.peer)
+    wanted = {label for pair in LABELS.values() for label in pair}
+    points: dict[float, dict[str, tuple[float, float]]] = {}
+    for ratio in RATIOS:
+        got = scores(rows, ratio)
+        points[ratio] = {
+            label: (times[label], got[label]) for label in wanted if label in got and label in times
+        }
+    drawn = {label for by in points.values() for label in by}
+    lines = table(points, sorted(wanted - drawn))
+    print("\n".join(lines))
+    if args.plot:
+        plot(points, args.plot)
+    if args.update:
+        ct.update(args.update, {"agnostic-cost": lines})
+
+
+if __name__ == "__main__":
+    assert set(LABELS) <= set(PEERS)
+    main()

@@ -276,9 +276,9 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
             if float(best.values.max()) > 1e-6 * float(full_keys[h].norm(dim=-1).max()):
                 worst = int(best.values.argmax())
                 raise RuntimeError(
-                    f"{job['method']}: layer {li} head {h}: kept key {worst} of {kept_keys.shape[1]} matches no "
-                    f"key of the full cache ({float(best.values.max()):.3g} from its nearest, key norms up to "
-                    f"{float(full_keys[h].norm(dim=-1).max()):.3g})"
+                    f"{job['method']}: layer {li} head {h}: kept key {worst} of {kept_keys.shape[1]} "
+                    f"matches no key of the full cache ({float(best.values.max()):.3g} from its nearest, "
+                    f"key norms up to {float(full_keys[h].norm(dim=-1).max()):.3g})"
                 )
             idx = set(best.indices.tolist())
             if masked is not None:

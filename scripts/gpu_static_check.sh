@@ -5,7 +5,9 @@
 # at 32K (full vs snapkv under one KV cap: issue #47's GPU row). Writes to $OUT (default runs/gpu-static).
 # On a machine without network, .gpu/ holds what scripts/gpu_check.sh describes.
 #   bash scripts/gpu_static_check.sh   # PROBE_S (default 330) and BENCH_S (240) cap the steps;
-#   PROBE_SKIP=compiled,dynamic        # leaves probe phases out; BENCH_S=0 skips the bench
+#   PROBE_SKIP=compiled,dynamic        # leaves probe phases out (static, static-compiled, batch, hf,
+#                                      # attention, compiled, dynamic); BENCH_S=0 skips the bench
+#   BENCH_DECODE=static-compiled       # the bench's decode path (default static)
 #   SERVE_S (default 200) caps the serving bench; SERVE_S=0 skips it
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-runs/gpu-static}
@@ -21,7 +23,7 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; uname -r
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
   > "$OUT/gpu.txt" 2>&1
-timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py --device cuda -rf --tb=short \
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_static_decode.py --device cuda -rf --tb=short \
   > "$OUT/tests.log" 2>&1
 echo "tests rc=$?" >> "$OUT/gpu.txt"
 S=${PROBE_S:-330}
@@ -37,7 +39,7 @@ B=${BENCH_S:-240}
 if [ "$B" -gt 0 ]; then
   timeout "$B" $PY -c "from kvbudget.cli import app; app()" bench --model "$MODEL" --random-weights \
     --dtype bfloat16 --device cuda --methods "${BENCH_METHODS:-full,snapkv,ada-snapkv,lava,cake,d2o}" \
-    --budgets 4096 --lengths 32768 --repeats 1 --new-tokens 32 --decode static --out "$OUT/bench" \
+    --budgets 4096 --lengths 32768 --repeats 1 --new-tokens 32 --decode "${BENCH_DECODE:-static}" --out "$OUT/bench" \
     > "$OUT/bench.log" 2>&1
   echo "bench rc=$?" >> "$OUT/gpu.txt"
 fi

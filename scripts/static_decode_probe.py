@@ -13,11 +13,13 @@ A Qwen2.5-7B-sized model with random weights (bf16, built on the device from
    longest head), ``snapkv-1024`` (1024 per head, as the earlier runs) — decoded by
    :class:`~kvbudget.static_decode.StaticDecoder` eagerly and as a CUDA graph: ms per token, the
    kernels one eager step launches (torch.profiler), the bandwidth bound of the bytes a step reads.
-3. ``batch`` rows: the same at batch 8 and the first length (aggregate tokens per second).
-4. ``attention`` rows: one layer's decode attention, 28 calls, by each candidate kernel: the static
+3. ``static-compiled`` rows: the static step through ``torch.compile``, then as a CUDA graph
+   (snapkv and full at the first length): ms per token, kernels per replay, compilation time.
+4. ``batch`` rows: the ``static`` rows at batch 8 and the first length (aggregate tokens per second).
+5. ``attention`` rows: one layer's decode attention, 28 calls, by each candidate kernel: the static
    one (one SDPA call per layer, group as queries, length mask), SDPA with ``enable_gqa`` and a mask,
    today's per-head loop, FlexAttention with a block mask, ``varlen_attn`` (where torch has it).
-5. ``hf`` rows: transformers' ``StaticCache`` with the model's SDPA attention, as a CUDA graph
+6. ``hf`` rows: transformers' ``StaticCache`` with the model's SDPA attention, as a CUDA graph
    captured by hand and through ``torch.compile(mode="reduce-overhead")``, and its
    ``DynamicCache`` eagerly: the fair full-cache baselines.
 
@@ -201,6 +203,41 @@ def static_rows(rows: Rows, model, bw: float, weights: int, length: int, kind: s
     row["peak_gpu_mib"] = peak_mib()
     rows.write(**row)
     del eager, graph, cache
+    reset_peak()
+
+
+def compiled_static_row(rows: Rows, model, bw: float, weights: int, length: int, kind: str, ratio: float,
+                        new_tokens: int) -> None:  # fmt: skip
+    """The static step through ``torch.compile`` (norms, RoPE, activations fused), then captured as a
+    CUDA graph: ms per token against the bound, the kernels a replay launches, the compilation time."""
+    from kvbudget.static_cache import StaticBudgetCache
+    from kvbudget.static_decode import StaticDecoder
+
+    reset_peak()
+    cfg = model.config
+    lengths = head_lengths(kind, length, ratio, cfg.num_hidden_layers, cfg.num_key_value_heads, 1)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    cache = StaticBudgetCache.allocate(
+        lengths, head_dim, 2 * new_tokens + 16, torch.bfloat16, DEV, seen=length
+    )
+    fill_random(cache)
+    logical = cache.logical_bytes()
+    start = time.perf_counter()
+    decoder = StaticDecoder(
+        model, cache, torch.zeros(1, dtype=torch.long), graph=DEV == "cuda", compiled=True
+    )
+    decoder.step()  # compile + warm-up
+    decoder.step()  # capture + replay
+    torch.cuda.synchronize() if DEV == "cuda" else None
+    row = {"phase": "static-compiled", "kind": kind, "length": length, "batch": 1,
+           "ratio": None if kind == "full" else ratio, "compile_s": time.perf_counter() - start,
+           "bound_ms": 1000 * (weights + logical) / bw}  # fmt: skip
+    row["graph_ms"] = 1000 * timed(decoder.step, new_tokens)
+    row["graph_over_bound"] = row["graph_ms"] / row["bound_ms"]
+    row["graph_profile"] = kernels(decoder.step, 4)
+    row["peak_gpu_mib"] = peak_mib()
+    rows.write(**row)
+    del decoder, cache
     reset_peak()
 
 
@@ -485,6 +522,15 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     8,
                 )
+    if "static-compiled" not in skip:  # our step compiled (#49): the eager step's GPU work is the gap
+        for kind in ("snapkv", "full"):
+            rows.guarded(
+                f"static-compiled {kind} {lengths[0]}",
+                lambda kind=kind: compiled_static_row(
+                    rows, model, bw.copy, weights, lengths[0], kind, args.ratio, nt
+                ),
+                120,
+            )
     if "batch" not in skip:
         for kind in ("snapkv", "lava", "full"):
             rows.guarded(

@@ -334,9 +334,11 @@ def test_worker_decodes_statically_when_asked_and_keys_it_apart(tmp_path: Path) 
     h2o = run_worker(MeasureSpec(method="h2o", **base), threads=1)
     assert h2o["decode_path"] == "eager" and "evicts while decoding" in h2o["static_refusal"]
     static = MeasureSpec(decode="static")
-    assert run_key(static) != run_key(MeasureSpec())
+    assert len({run_key(static), run_key(MeasureSpec()), run_key(MeasureSpec(decode="static-compiled"))}) == 3
     assert run_key(MeasureSpec()) == run_key(
         {k: v for k, v in asdict(MeasureSpec()).items() if k != "decode"}
     )
-    with pytest.raises(KVBudgetError, match="decode must be eager or static"):
+    with pytest.raises(
+        KVBudgetError, match="^decode must be one of eager, static, static-compiled, got 'graph'$"
+    ):
         BenchConfig(decode="graph").validate()

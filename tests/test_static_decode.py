@@ -157,20 +157,26 @@ def test_the_static_step_reads_nothing_back_from_the_device(monkeypatch) -> None
 
 
 @pytest.mark.device
-def test_the_captured_step_equals_eager_steps_and_never_syncs(request) -> None:
-    """On ``--device cuda``: the step as a CUDA graph gives the eager step's tokens and logits, and
-    replaying it under ``set_sync_debug_mode("error")`` raises on no host sync."""
+@pytest.mark.parametrize(("name", "compiled"), [("ada-snapkv", False), ("lava", True)])
+def test_the_captured_step_equals_eager_steps_and_never_syncs(request, name: str, compiled: bool) -> None:
+    """On ``--device cuda``: the step as a CUDA graph (compiled by Inductor first, ``compiled``) gives
+    the eager step's tokens and logits, and replaying it under ``set_sync_debug_mode("error")``
+    raises on no host sync."""
     target = torch.device(request.config.getoption("--device"))
     if target.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
     model = tiny_model("llama").to(target)
     ids = torch.randint(5, 96, (2, 64), generator=seeded(4)).to(target)
-    compressed = kvbudget.compress(model, ids[:, :-1], method=small("ada-snapkv"), budget=12)
+    compressed = kvbudget.compress(model, ids[:, :-1], method=small(name), budget=12)
     eager = StaticDecoder(
         model, StaticBudgetCache.from_budget_cache(compressed, STEPS), ids[:, -1], graph=False
     )
     graph = StaticDecoder(
-        model, StaticBudgetCache.from_budget_cache(compressed, STEPS), ids[:, -1], graph=True
+        model,
+        StaticBudgetCache.from_budget_cache(compressed, STEPS),
+        ids[:, -1],
+        graph=True,
+        compiled=compiled,
     )
     for step in range(STEPS):
         expected = eager.step().clone()
@@ -182,6 +188,32 @@ def test_the_captured_step_equals_eager_steps_and_never_syncs(request) -> None:
             torch.cuda.set_sync_debug_mode("default")
         assert got.equal(expected)
         torch.testing.assert_close(graph.logits, eager.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_compiled_step_gives_the_eager_steps_tokens(monkeypatch) -> None:
+    """``decode="static-compiled"``: the step traced by ``torch.compile`` (TorchDynamo, then AOTAutograd
+    with the cache writes functionalised; the ``aot_eager`` backend here, Inductor's code generation
+    takes ~20 s on this CPU and runs in the device test) decodes the eager path's tokens."""
+    compiled = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled(fn, backend="aot_eager", **kw))
+    model = tiny_model("llama")
+    tokenizer = tiny_tokenizer(chat_template=True)
+    contexts = [CONTEXT, CONTEXT[: len(CONTEXT) // 2]]
+    runs = [
+        kvbudget.generate(
+            model,
+            tokenizer,
+            contexts,
+            [QUESTION] * 2,
+            method=small("ada-snapkv"),
+            budget=40,
+            max_new_tokens=8,
+            decode=decode,
+        )  # fmt: skip
+        for decode in ("eager", "static-compiled")
+    ]
+    for eager, static in zip(*runs, strict=True):
+        assert static.token_ids == eager.token_ids and len(static.token_ids) == 8
 
 
 @pytest.mark.parametrize("name", [n for n in ALL_METHODS if "decode" not in make_method(n).stages])

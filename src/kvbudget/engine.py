@@ -253,7 +253,7 @@ class RunTimes:
 
 
 #: ``generate``'s decoding paths (its ``decode`` argument)
-DECODE_PATHS = ("eager", "static")
+DECODE_PATHS = ("eager", "static", "static-compiled")
 
 
 @torch.inference_mode()
@@ -316,13 +316,15 @@ def static_decode_loop(
     last_pos: torch.Tensor,
     eos: set[int],
     max_new_tokens: int,
+    compiled: bool = False,
 ) -> Decoded:
     """Greedy decoding as :func:`decode_loop`'s, over the compressed cache moved into a
     :class:`~kvbudget.static_cache.StaticBudgetCache` (one attention call per layer; on CUDA each
     step replays a captured CUDA graph). Only :func:`~kvbudget.static_decode.static_refusal`'s
     ``None`` runs may use it. The steps run without reading tokens back; rows are cut at their
     first EOS afterwards (the tokens a row would decode after its EOS are computed and dropped), so
-    ``steps`` counts every step run and ``trace`` stays empty.
+    ``steps`` counts every step run and ``trace`` stays empty. ``compiled``: the step through
+    ``torch.compile`` first (:class:`~kvbudget.static_decode.StaticDecoder`; its first step compiles).
     """
     first_start = time.perf_counter()
     if cache.session is not None:
@@ -336,7 +338,7 @@ def static_decode_loop(
         return Decoded(generated, 0, 0.0, [[] for _ in first], [], first_token_seconds)
     start = time.perf_counter()
     static = StaticBudgetCache.from_budget_cache(cache, steps, rope=last_pos.to(torch.long) + 1)
-    decoder = StaticDecoder(model, static, token)
+    decoder = StaticDecoder(model, static, token, compiled=compiled)
     moved = time.perf_counter() - start
     tokens = decoder.run(steps).tolist()
     seconds = time.perf_counter() - start
@@ -392,6 +394,8 @@ def generate(
             (a CUDA graph per step on a GPU; :func:`static_decode_loop`), or eagerly where the run
             cannot (:func:`~kvbudget.static_decode.static_refusal`: decode-stage methods,
             sampling). ``result.cache`` then stays the compressed prompt's cache.
+            ``"static-compiled"``: the same with the step through ``torch.compile`` (norms, RoPE and
+            activations fused; each new cache shape compiles once, seconds on a CPU, more on a GPU).
 
     Returns:
         A :class:`GenerationResult`, or a list of them for a batch.
@@ -436,8 +440,9 @@ def generate(
     cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only, eos)
     prefill_wall = time.perf_counter() - start
     stats_after = [cache.stats(r) for r in range(len(prompts))]
-    if decode == "static" and static_refusal(method_obj, cache, temperature) is None:
-        decoded = static_decode_loop(model, cache, logits, last_pos, eos, max_new_tokens)
+    if decode != "eager" and static_refusal(method_obj, cache, temperature) is None:
+        compiled = decode == "static-compiled"
+        decoded = static_decode_loop(model, cache, logits, last_pos, eos, max_new_tokens, compiled)
     else:
         decoded = decode_loop(
             model, cache, logits, mask, last_pos, eos, max_new_tokens, temperature, top_p, generator

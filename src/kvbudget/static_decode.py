@@ -52,12 +52,20 @@ def static_refusal(method: Any, cache: BudgetCache, temperature: float = 0.0) ->
 class StaticDecoder:
     """Greedy decode steps over ``cache`` for ``model``, starting from ``token: [batch]``.
 
-    ``graph``: capture the step as a CUDA graph (default: when the model is on CUDA). ``tokens``
-    after :meth:`run` holds every generated token ``[batch, steps]``.
+    ``graph``: capture the step as a CUDA graph (default: when the model is on CUDA). ``compiled``:
+    the step's forward through ``torch.compile`` (TorchInductor, static shapes) first — its norms,
+    RoPE and activations fused into a few kernels, which the CUDA graph then captures; the first
+    step pays the compilation (``setup_seconds``). ``tokens`` after :meth:`run` holds every
+    generated token ``[batch, steps]``.
     """
 
     def __init__(
-        self, model: PreTrainedModel, cache: StaticBudgetCache, token: torch.Tensor, graph: bool | None = None
+        self,
+        model: PreTrainedModel,
+        cache: StaticBudgetCache,
+        token: torch.Tensor,
+        graph: bool | None = None,
+        compiled: bool = False,
     ) -> None:
         self.model, self.cache = model, cache
         self.parts = decoder_parts(model)
@@ -67,16 +75,18 @@ class StaticDecoder:
         self.logits: torch.Tensor | None = None
         self.use_graph = device.type == "cuda" if graph is None else graph
         self._graph: torch.cuda.CUDAGraph | None = None
-        #: what :meth:`run` spent before its steps settled: the eager warm-up and the capture
+        self._forward = torch.compile(self._forward_eager, dynamic=False) if compiled else self._forward_eager
+        self._compiling = compiled  # until the first step has run (and compiled)
+        #: what :meth:`run` spent before its steps settled: the eager warm-up and the capture (and
+        #: with ``compiled``, the compilation in the first step)
         self.setup_seconds, self.setup_steps = 0.0, 0
         attach(model)
 
-    @torch.inference_mode()
-    def _step(self) -> None:
-        """One token for every row: writes the cache, ``self.logits [b, vocab]`` and the next input."""
+    def _forward_eager(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``tokens, positions: [b, 1]`` → the last position's logits ``[b, vocab]``; every layer's
+        attention writes its entry into the static buffers (what ``compiled`` traces)."""
         parts, cache = self.parts, self.cache
-        hidden = parts.embed(self.input)
-        positions = cache.rope[:, None]
+        hidden = parts.embed(tokens)
         rotary = parts.rope(hidden, positions)
         for index, layer in enumerate(parts.layers):
             out = layer(
@@ -84,7 +94,13 @@ class StaticDecoder:
                 use_cache=True, position_embeddings=rotary[index],
             )  # fmt: skip
             hidden = out[0] if isinstance(out, tuple) else out
-        logits = parts.logits(hidden)[:, -1]
+        return parts.logits(hidden)[:, -1]
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """One token for every row: writes the cache, ``self.logits [b, vocab]`` and the next input."""
+        cache = self.cache
+        logits = self._forward(self.input, cache.rope[:, None])
         if self.logits is None:
             self.logits = logits
         else:
@@ -125,13 +141,19 @@ class StaticDecoder:
     def run(self, steps: int) -> torch.Tensor:
         """``steps`` greedy tokens per row, ``[batch, steps]``: each step's token is copied into a
         device buffer, read once at the end (one host sync for the whole run; with a CUDA graph one
-        more after the warm-up and the capture, which times them apart: ``setup_seconds``)."""
+        more after the warm-up and the capture, which times them apart: ``setup_seconds``, as the
+        compiling first step of a ``compiled`` decoder)."""
         out = torch.empty((self.input.shape[0], steps), dtype=torch.long, device=self.device)
         start = time.perf_counter()
-        settle = min(steps, 2) if self.use_graph and self._graph is None else 0
+        if self.use_graph and self._graph is None:
+            settle = min(steps, 2)
+        else:
+            settle = min(steps, 1) if self._compiling else 0
+        self._compiling = False
         for i in range(steps):
             out[:, i : i + 1].copy_(self.step())
-            if i + 1 == settle:  # warm-up and capture done: one sync, to time them apart
-                torch.cuda.synchronize(self.device)
+            if i + 1 == settle:  # warm-up, compilation and capture done: timed apart (one sync on a GPU)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
                 self.setup_seconds, self.setup_steps = time.perf_counter() - start, settle
         return out

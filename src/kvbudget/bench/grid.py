@@ -48,9 +48,10 @@ class BenchConfig:
     batch: int = 1  # rows decoded together (see MeasureSpec.batch)
     device: str = "cpu"  # cpu, cuda or auto (see MeasureSpec.device)
     random_weights: bool = False  # see MeasureSpec.random_weights
-    decode: str = "eager"  # eager or static (see MeasureSpec.decode)
+    decode: str = "eager"  # eager, static or static-compiled (see MeasureSpec.decode)
 
     def validate(self) -> None:
+        from kvbudget.engine import DECODE_PATHS
         from kvbudget.eval.runner import MethodSpec
 
         for m in self.methods:
@@ -63,8 +64,8 @@ class BenchConfig:
             raise KVBudgetError(f"repeats must be ≥ 1, got {self.repeats}")
         if self.batch < 1:
             raise KVBudgetError(f"batch must be ≥ 1, got {self.batch}")
-        if self.decode not in ("eager", "static"):
-            raise KVBudgetError(f"decode must be eager or static, got {self.decode!r}")
+        if self.decode not in DECODE_PATHS:
+            raise KVBudgetError(f"decode must be one of {', '.join(DECODE_PATHS)}, got {self.decode!r}")
         if self.new_tokens < 2:
             raise KVBudgetError(f"new_tokens must be ≥ 2 (TPOT needs a decode step), got {self.new_tokens}")
 
@@ -105,7 +106,7 @@ def run_key(spec: MeasureSpec | dict[str, Any]) -> str:
     extra = (
         ([d["device"]] if d.get("device", "cpu") != "cpu" else [])
         + (["random"] if d.get("random_weights") else [])
-        + (["static"] if d.get("decode", "eager") == "static" else [])
+        + ([d["decode"]] if d.get("decode", "eager") != "eager" else [])
     )
     return json.dumps([d[k] for k in keys] + [d.get("batch", 1)] + extra)
 

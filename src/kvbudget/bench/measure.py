@@ -59,7 +59,8 @@ class MeasureSpec:
         decode: ``eager`` (over the ``BudgetCache``) or ``static`` (static buffers, one attention
             call per layer, a CUDA graph per step on a GPU: :func:`kvbudget.engine.static_decode_loop`);
             a method the static path does not serve decodes eagerly and the row's ``decode_path``
-            says so (``static_refusal``).
+            says so (``static_refusal``); ``static-compiled``: the static step through
+            ``torch.compile`` (compiled in the warm-up, so the row times the compiled step).
     """
 
     model: str = "smollm2-135m"
@@ -143,9 +144,10 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     warm = type(prompt)(prompt.ids[: min(len(prompt.ids), 2 * budget + 64)], [])
     session = CompressionSession(MethodSpec.parse(spec.method).build(), layers, budget=budget)
     cache, logits, mask, last = prefill(model, [warm] * spec.batch, session, pad_id)
-    refusal = static_refusal(session.method, cache) if spec.decode == "static" else "eager asked for"
+    refusal = static_refusal(session.method, cache) if spec.decode != "eager" else "eager asked for"
+    compiled = spec.decode == "static-compiled"
     if refusal is None:
-        static_decode_loop(model, cache, logits, last, set(), 3)
+        static_decode_loop(model, cache, logits, last, set(), 3, compiled)
     else:
         decode_loop(model, cache, logits, mask, last, set(), 3, trace=False)
     del cache, logits, session
@@ -160,7 +162,7 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     cache, logits, mask, last, prefill_wall = timed_prefill(model, [prompt] * spec.batch, session, pad_id)
     after_prefill = cache.stats()
     if refusal is None:
-        decoded = static_decode_loop(model, cache, logits, last, set(), spec.new_tokens)
+        decoded = static_decode_loop(model, cache, logits, last, set(), spec.new_tokens, compiled)
     else:
         decoded = decode_loop(model, cache, logits, mask, last, set(), spec.new_tokens, trace=False)
     times = RunTimes.of(prefill_wall, session, decoded)
@@ -170,8 +172,8 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     return {
         **asdict(spec),
         "prompt_tokens": len(prompt.ids),
-        "decode_path": "static" if refusal is None else "eager",
-        **({"static_refusal": refusal} if spec.decode == "static" and refusal is not None else {}),
+        "decode_path": spec.decode if refusal is None else "eager",
+        **({"static_refusal": refusal} if spec.decode != "eager" and refusal is not None else {}),
         "ttft_s": times.ttft,
         "tpot_s": times.tpot,
         "tpot_steady_s": decoded.steady_step_seconds,

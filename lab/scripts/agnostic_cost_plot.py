@@ -2,7 +2,8 @@
 KVzip family, KVzap and the sketch scorers of both libraries (issue #48), from committed rows only.
 
     .venv/bin/python lab/scripts/agnostic_cost_plot.py lab/results/leaderboard-agnostic \\
-        lab/results/agnostic-cost [--plot docs/agnostic-cost.png] [--update docs/leaderboard.md]
+        lab/results/agnostic-cost [more bench peer folders] [--plot docs/agnostic-cost.png] \\
+        [--update docs/leaderboard.md]
 
 The score of a method (``kvbudget`` label or ``kvpress:NAME``) at a ratio is its mean over the core
 tasks, each task's mean of 20 samples (the leaderboard's rows). Its time to first token is the median
@@ -113,12 +114,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("results", type=Path, help="the question-agnostic leaderboard's results folder")
-    parser.add_argument("peer", type=Path, help="a `kvbudget bench peer` output folder")
+    parser.add_argument(
+        "peer",
+        type=Path,
+        nargs="+",
+        help="`kvbudget bench peer` output folders (a later "
+        "folder's times replace an earlier one's for the methods it ran)",
+    )
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--update", type=Path, help="a page with an `agnostic-cost` block to fill")
     args = parser.parse_args()
     rows = [r for r in load_rows(args.results / "results.jsonl") if r.get("error") is None]
-    times = ttfts(args.peer)
+    times = {label: t for folder in args.peer for label, t in ttfts(folder).items()}
     wanted = {label for pair in LABELS.values() for label in pair}
     points: dict[float, dict[str, tuple[float, float]]] = {}
     for ratio in RATIOS:

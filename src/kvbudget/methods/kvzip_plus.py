@@ -38,6 +38,9 @@ class NormalizedReconstructionScores(ReconstructionScores):
         super().__init__(*args, **kwargs)
         self.input_norms: dict[int, torch.Tensor] = {}  # layer → [q] ‖x_t‖ of the pass's tokens
         self.o_proj: dict[int, torch.Tensor] = {}  # layer → [hidden, q_heads · d]
+        #: the last chunk's ``‖W_O v‖`` ``[h, g, m]`` by (layer, columns): every query block of a
+        #: pass over one chunk weighs the same entries, so it is computed once per chunk and layer
+        self._out_norms: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def before_attention(self, module: nn.Module, hidden_states: torch.Tensor) -> None:
         o_proj = getattr(module, "o_proj", None)
@@ -52,9 +55,12 @@ class NormalizedReconstructionScores(ReconstructionScores):
     def weigh(
         self, probs: torch.Tensor, layer_idx: int, layer: Any, rows: slice, columns: slice
     ) -> torch.Tensor:
-        group = probs.shape[1]
-        values = layer.values[0][:, columns]  # [h, m, d]
-        out_norms = value_output_norms(self.o_proj[layer_idx], values, group).to(probs.device)  # [h, g, m]
+        key = (layer_idx, columns.start, columns.stop)
+        if self._out_norms is None or self._out_norms[0] != key:
+            values = layer.values[0][:, columns]  # [h, m, d]
+            norms = value_output_norms(self.o_proj[layer_idx], values, probs.shape[1]).to(probs.device)
+            self._out_norms = (key, norms)  # [h, g, m]
+        out_norms = self._out_norms[1]
         inv = 1.0 / self.input_norms[layer_idx][rows].to(probs.device)  # [rows]
         return probs * inv[None, None, :, None] * out_norms[:, :, None, :]
 

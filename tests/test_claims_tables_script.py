@@ -86,6 +86,41 @@ def test_each_kvpress_press_is_paired_with_a_registered_method_of_the_same_name(
     assert all(ours in method_names() for _, ours in pairs)
 
 
+def test_screen_table_counts_same_answers_on_the_samples_both_ran():
+    """The screen: a press's mean over its own rows, kvbudget's same method's mean over those very samples
+    (the press's mean on them beside it when the press ran more), the same-answer count after stripping,
+    best press first; a press with no counterpart gets dashes; rows outside the screen are ignored."""
+    from kvbudget.eval.peer_rows import PRESSES
+    from kvbudget.methods.registry import method_names
+
+    tables = _load()
+    assert set(tables.SCREEN_COUNTERPARTS) <= set(PRESSES) - {"no_press"}
+    assert set(tables.SCREEN_COUNTERPARTS.values()) <= set(method_names())
+
+    def row(label, task, sample, score, text, ratio=0.5):
+        return {"label": label, "task": task, "length": 2048, "sample": sample, "compression_ratio": ratio,
+                "score": score, "prediction": text}  # fmt: skip
+
+    rows = [
+        row("kvpress:kvzip", "niah_multikey_2", 0, 1.0, "123"),
+        row("kvpress:kvzip", "niah_multikey_2", 1, 0.0, "9"),
+        row("kvpress:kvzip", "vt", 0, 0.5, "A B"),
+        row("kvzip", "niah_multikey_2", 0, 1.0, " 123 "), row("kvzip", "niah_multikey_2", 1, 1.0, "456"),
+        row("kvzip", "niah_multikey_2", 2, 1.0, "7"),  # a sample the press did not run: not counted
+        row("kvpress:cur", "niah_multikey_2", 0, 1.0, "1"),
+        row("kvpress:cur", "niah_multikey_2", 3, 0.0, "1"),  # beyond the screen's 3 samples
+        row("kvpress:cur", "vt", 1, 0.0, "x", ratio=0.75),  # another ratio
+        row("kvpress:leverage", "vt", 2, 0.0, "x"),
+    ]  # fmt: skip
+    lines = tables.screen_table(rows)
+    body = lines[2:]
+    assert body[0] == "| kvpress:cur | 1 | 100.0 | – | – | – |"
+    assert body[1] == "| kvpress:kvzip | 3 | 50.0 | kvzip | 100.0 (press 50.0 on these) | 1 of 2 |"
+    assert body[2] == "| kvpress:leverage | 1 | 0.0 | leverage | not run on these samples | – |"
+    assert len(body) == 3
+    assert tables.screen_table([row("kvzip", "vt", 0, 1.0, "a")]) == ["(no screen rows yet)"]
+
+
 def _track(scores: dict[str, list[float]]) -> list[dict]:
     return [
         {"label": label, "task": "needle", "length": 2048, "sample": i, "compression_ratio": 0.5, "score": s}
@@ -216,7 +251,15 @@ def test_the_cost_plot_pairs_each_score_with_its_median_time(tmp_path):
     assert got == {"kvzip": pytest.approx(0.8), "kvpress:kvzip": pytest.approx(0.6)}
     points = {r: {} for r in cost.RATIOS} | {0.5: {k: (times[k], got[k]) for k in got}}
     lines = cost.table(points, ["leverage", "kvpress:leverage"])
-    assert lines[2].startswith("| kvzip | 2.00 | 80.0 |") and lines[3].startswith(
-        "| kvpress:kvzip | 5.00 | 60.0 |"
+    assert lines[2].startswith("| kvzip | 2.00 | – | 80.0 |") and lines[3].startswith(
+        "| kvpress:kvzip | 5.00 | – | 60.0 |"
     )
     assert "kvpress:leverage, leverage" in lines[-1]
+    # the screen's samples (the first 3 of niah_multikey_2 and vt at r = 0.5) give a timed press its row
+    screen = cost.screen_scores(rows)
+    assert screen["leverage"] == (pytest.approx(0.4), 6) and screen["kvzip"] == (pytest.approx(0.8), 6)
+    screened = [{**r, "label": "kvpress:leverage", "score": 0.5} for r in rows if r["label"] == "leverage"]
+    screen = cost.screen_scores(screened)
+    lines = cost.table(points, ["leverage", "kvpress:leverage"], times, screen)
+    assert "| kvpress:leverage | 0.50 | 50.0 (6) | – | – | – |" in lines
+    assert lines[-1].endswith("leverage.") and "kvpress:leverage" not in lines[-1]

@@ -6,7 +6,9 @@ KVzip family, KVzap and the sketch scorers of both libraries (issue #48), from c
         [--update docs/leaderboard.md]
 
 The score of a method (``kvbudget`` label or ``kvpress:NAME``) at a ratio is its mean over the core
-tasks, each task's mean of 20 samples (the leaderboard's rows). Its time to first token is the median
+tasks, each task's mean of 20 samples (the leaderboard's rows); the table also gives each method's
+mean on the kvpress screen's samples (the first 3 of niah_multikey_2 and vt at r = 0.5), where the
+20-sample rows are not in yet. Its time to first token is the median
 ``prefill_s`` (the compressed context's prefill with the method's scoring, then the question's) of
 ``kvbudget bench peer`` on both sides of each pair, interleaved run by run on the same samples — the
 leaderboard rows' own times are not used: those runs were paused and resumed while other work had
@@ -67,16 +69,43 @@ def ttfts(peer: Path) -> dict[str, float]:
     return out
 
 
-def table(points: dict[float, dict[str, tuple[float, float]]], missing: list[str]) -> list[str]:
-    lines = ["| method | TTFT (s) | " + " | ".join(f"r = {r:g}" for r in RATIOS) + " |",
-             "|---|---|" + "---|" * len(RATIOS)]  # fmt: skip
+SCREEN = (("niah_multikey_2", "vt"), 3, 0.5)
+
+
+def screen_scores(rows: list[dict]) -> dict[str, tuple[float, int]]:
+    """Each label's mean (and row count) on the kvpress screen's samples: the first 3 of niah_multikey_2
+    and vt at r = 0.5 (``claims_tables.screen_table``), for methods without the 20-sample rows yet."""
+    (tasks, limit, ratio), got = SCREEN, {}
+    for r in rows:
+        if (
+            row_column(r) == ("r", ratio)
+            and r["task"] in tasks
+            and r["sample"] < limit
+            and r.get("score") is not None
+        ):
+            got.setdefault(r["label"], []).append(r["score"])
+    return {label: (statistics.mean(v), len(v)) for label, v in got.items()}
+
+
+def table(
+    points: dict[float, dict[str, tuple[float, float]]],
+    missing: list[str],
+    times: dict[str, float] | None = None,
+    screen: dict[str, tuple[float, int]] | None = None,
+) -> list[str]:
+    times, screen = times or {}, screen or {}
+    lines = ["| method | TTFT (s) | screen (samples) | " + " | ".join(f"r = {r:g}" for r in RATIOS) + " |",
+             "|---|---|---|" + "---|" * len(RATIOS)]  # fmt: skip
     labels = sorted(
-        {label for by in points.values() for label in by}, key=lambda x: (x.startswith(PEER_PREFIX), x)
+        {label for by in points.values() for label in by} | {label for label in times if label in screen},
+        key=lambda x: (x.startswith(PEER_PREFIX), x),
     )
     for label in labels:
-        ttft = next(by[label][0] for by in points.values() if label in by)
+        ttft = next((by[label][0] for by in points.values() if label in by), times.get(label))
         cells = [f"{100 * points[r][label][1]:.1f}" if label in points[r] else "–" for r in RATIOS]
-        lines.append(f"| {label} | {ttft:.2f} | " + " | ".join(cells) + " |")
+        seen = f"{100 * screen[label][0]:.1f} ({screen[label][1]})" if label in screen else "–"
+        lines.append(f"| {label} | {ttft:.2f} | {seen} | " + " | ".join(cells) + " |")
+    missing = [label for label in missing if label not in labels]
     if missing:
         lines += [
             "",
@@ -134,7 +163,8 @@ def main() -> None:
             label: (times[label], got[label]) for label in wanted if label in got and label in times
         }
     drawn = {label for by in points.values() for label in by}
-    lines = table(points, sorted(wanted - drawn))
+    screen = {label: v for label, v in screen_scores(rows).items() if label in wanted}
+    lines = table(points, sorted(wanted - drawn), times, screen)
     print("\n".join(lines))
     if args.plot:
         plot(points, args.plot)

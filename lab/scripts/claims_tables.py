@@ -537,6 +537,62 @@ SAME_METHOD_PAIRS = [
 ]  # fmt: skip
 
 
+#: kvpress's presses screened on a few samples → kvbudget's implementation of the same method, where
+#: one exists (its kept positions are checked against the press in tests/test_kvpress_oracle.py).
+SCREEN_COUNTERPARTS = {
+    "kvzip": "kvzip", "kvzip_plus": "kvzip+", "kvgrad": "kvgrad", "leverage": "leverage",
+    "compactor": "compactor", "chunkkv": "chunkkv", "lagkv": "lagkv", "keydiff": "keydiff",
+    "expected_attention": "expected-attention", "knorm": "knorm", "tova": "tova",
+    "observed_attention": "observed-attention", "streaming_llm": "streamingllm", "snapkv": "snapkv",
+    "adakv_snapkv": "ada-snapkv", "random": "random",
+}  # fmt: skip
+
+
+def screen_table(rows: list[dict], ratio: float = 0.5, tasks: tuple[str, ...] = ("niah_multikey_2", "vt"),
+                 limit: int = 3) -> list[str]:  # fmt: skip
+    """kvpress's screen: every press's mean on the first ``limit`` samples of ``tasks`` at ``ratio``
+    (the samples it ran of them), beside kvbudget's same method on those very samples and the number
+    of samples where both answered the same text; best press first."""
+    column = ("r", ratio)
+    scored = defaultdict(dict)
+    for r in rows:
+        if (
+            r.get("score") is not None
+            and row_column(r) == column
+            and r["task"] in tasks
+            and r["sample"] < limit
+        ):
+            scored[r["label"]][(r["task"], r["sample"])] = r
+    presses = [label for label in scored if label.startswith(PEER_PREFIX)]
+    if not presses:
+        return ["(no screen rows yet)"]
+
+    def mean(label: str, keys) -> float:
+        return statistics.mean(scored[label][k]["score"] for k in keys)
+
+    lines = [
+        "| press | samples | press mean | kvbudget's same method | its mean, same samples | same answer |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for label in sorted(presses, key=lambda p: (-mean(p, scored[p]), p)):
+        keys = sorted(scored[label])
+        ours = SCREEN_COUNTERPARTS.get(label.removeprefix(PEER_PREFIX))
+        common = [k for k in keys if ours is not None and k in scored.get(ours, {})]
+        if ours is None:
+            cells = "– | – | –"
+        elif not common:
+            cells = f"{ours} | not run on these samples | –"
+        else:
+            same = sum(
+                scored[label][k]["prediction"].strip() == scored[ours][k]["prediction"].strip()
+                for k in common
+            )
+            press_mean = "" if len(common) == len(keys) else f" (press {_pct(mean(label, common))} on these)"
+            cells = f"{ours} | {_pct(mean(ours, common))}{press_mean} | {same} of {len(common)}"
+        lines.append(f"| {label} | {len(keys)} | {_pct(mean(label, keys))} | {cells} |")
+    return lines
+
+
 def agnostic_blocks(folder: Path, aware: list[dict]) -> dict[str, list[str]]:
     """The question-agnostic track's tables (``agnostic-RATIO``, ``agnostic-kvpress``,
     ``agnostic-pairs``, ``agnostic-kvpress-same``) from ``folder``'s rows, and ``tracks-0.5`` (against
@@ -548,6 +604,7 @@ def agnostic_blocks(folder: Path, aware: list[dict]) -> dict[str, list[str]]:
     out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
     out["agnostic-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS) if rows else ["(no rows yet)"]
+    out["agnostic-screen"] = screen_table(rows)
     out["tracks-0.5"] = tracks_table(aware, rows, 0.5)
     return out
 

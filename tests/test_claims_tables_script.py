@@ -121,6 +121,24 @@ def test_screen_table_counts_same_answers_on_the_samples_both_ran():
     assert tables.screen_table([row("kvzip", "vt", 0, 1.0, "a")]) == ["(no screen rows yet)"]
 
 
+def test_a_method_screened_on_a_few_samples_is_named_under_the_table_not_emptying_it():
+    """A method with 3 samples of a task (a screen) neither empties the table nor shrinks its tasks, in
+    either mode: it is named under the table; kvpress's presses are not."""
+    tables = _load()
+    rows = [{"label": label, "task": task, "length": 2048, "sample": i, "score": score,
+             "compression_ratio": None if label == "full" else 0.5}
+            | {"metric": "exact", "family": "ruler"}
+            for label, score in {"full": 1.0, "a": 0.5, "kvpress:x": 0.25}.items()
+            for task in ("needle", "vt") for i in range(20)]  # fmt: skip
+    rows += [{**r, "label": "screened"} for r in rows if r["label"] == "a" and r["sample"] < 3]
+    for shared in (False, True):
+        lines = tables.leaderboard_table(rows, 0.5, shared=shared)
+        assert lines[0].endswith("| needle | vt |")
+        assert any(line.startswith("| a | 50.0") for line in lines)
+        assert lines[-1] == "Not in this table (fewer of these tasks or samples at r = 0.5): screened."
+        assert not any(line.startswith("| screened") for line in lines)
+
+
 def _track(scores: dict[str, list[float]]) -> list[dict]:
     return [
         {"label": label, "task": "needle", "length": 2048, "sample": i, "compression_ratio": 0.5, "score": s}

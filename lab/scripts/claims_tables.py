@@ -594,13 +594,15 @@ def screen_table(rows: list[dict], ratio: float = 0.5, tasks: tuple[str, ...] = 
 
 
 def agnostic_blocks(folder: Path, aware: list[dict]) -> dict[str, list[str]]:
-    """The question-agnostic track's tables (``agnostic-RATIO``, ``agnostic-kvpress``,
+    """The question-agnostic track's tables (``agnostic-RATIO``: kvbudget's methods on the widest task
+    set any finished, ``agnostic-kvpress``,
     ``agnostic-pairs``, ``agnostic-kvpress-same``) from ``folder``'s rows, and ``tracks-0.5`` (against
     the question-aware rows ``aware``), or a line saying none ran yet."""
     ratios = (0.875, 0.75, 0.5, 0.25)
     rows = load_rows(folder / "results.jsonl") if has_results(folder) else []
     rows = [r for r in rows if r.get("error") is None]
-    out = {f"agnostic-{ratio:g}": leaderboard_table(rows, ratio, shared=True) for ratio in ratios}
+    ours = [r for r in rows if not r["label"].startswith(PEER_PREFIX)]
+    out = {f"agnostic-{ratio:g}": leaderboard_table(ours, ratio) for ratio in ratios}
     out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
     out["agnostic-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS) if rows else ["(no rows yet)"]
@@ -650,12 +652,14 @@ def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> l
     Default: the tasks the most complete labels share (the largest task set any label finished), and
     every label that finished all of them. ``shared``: every kvbudget method at ``ratio`` (methods
     added later included; kvpress's presses are in :func:`best_against_kvpress`) on the tasks all of
-    them finished."""
+    them finished (a method with no finished task yet is left out). Methods at ``ratio`` left out
+    (kvpress's aside) are named under the table."""
     column = ("r", ratio)
     mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
     complete = _complete_tasks(mine, column)
     if shared:  # kvpress's presses have their own block (best_against_kvpress)
-        complete = {label: done for label, done in complete.items() if not label.startswith(PEER_PREFIX)}
+        complete = {label: done for label, done in complete.items()
+                    if not label.startswith(PEER_PREFIX) and (done or label == "full")}  # fmt: skip
         tasks = sorted(set.intersection(*complete.values())) if complete else []
         labels = [label for label in complete if label != "full"]
     else:
@@ -665,6 +669,7 @@ def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> l
         labels = [label for label in complete if label != "full" and widest <= complete[label]]
     if not tasks or not labels:
         return [f"(no task finished by every method at r={ratio:g} yet)"]
+    left_out = sorted({r["label"] for r in mine if row_column(r) == column} - {*labels, *peers_of(mine)})
     keep = {*labels, "full"}
     mine = [r for r in mine if r["task"] in tasks and r["label"] in keep]
     summary = across_tasks(mine, resamples=2000)
@@ -690,7 +695,19 @@ def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> l
             + " | ".join(f"{100 * v:.0f}" for v in per_task)
             + " |"
         )
+    if left_out:
+        lines += [
+            "",
+            f"Not in this table (fewer of these tasks or samples at r = {ratio:g}): "
+            + ", ".join(left_out)
+            + ".",
+        ]
     return lines
+
+
+def peers_of(rows: list[dict]) -> set[str]:
+    """kvpress's labels among ``rows``."""
+    return {r["label"] for r in rows if r["label"].startswith(PEER_PREFIX)}
 
 
 def _mean_over_tasks(rows: list[dict], label: str, column: tuple[str, float], tasks: set[str]) -> float:

@@ -114,25 +114,33 @@ def table(
     return lines
 
 
-def plot(points: dict[float, dict[str, tuple[float, float]]], path: Path) -> None:
+def plot(
+    points: dict[float, dict[str, tuple[float, float]]],
+    path: Path,
+    screened: dict[str, tuple[float, float]] | None = None,
+) -> None:
+    """One panel per ratio (the core tasks' means), and first, when given, the screen's samples:
+    ``screened`` label → (TTFT, mean), where every timed method has a point before its 20-sample rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(RATIOS), figsize=(5 * len(RATIOS), 4.2), sharey=True)
-    for ax, ratio in zip(axes, RATIOS, strict=True):
-        for label, (ttft, score) in sorted(points[ratio].items()):
+    panels = [(f"the screen's samples, r = {SCREEN[2]:g}", screened)] if screened else []
+    panels += [(f"core tasks, r = {ratio:g}", points[ratio]) for ratio in RATIOS]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), sharey=True)
+    for ax, (title, by_label) in zip(axes, panels, strict=True):
+        for label, (ttft, score) in sorted(by_label.items()):
             peer = label.startswith(PEER_PREFIX)
             ax.scatter(
                 ttft, 100 * score, marker="s" if peer else "o", color="tab:gray" if peer else "tab:blue"
             )
             ax.annotate(label, (ttft, 100 * score), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
-        ax.set_title(f"question-agnostic, r = {ratio:g}")
+        ax.set_title(f"question-agnostic, {title}", fontsize=10)
         ax.set_xlabel("time to first token (s, median; log scale)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean score over the core tasks (×100)")
+    axes[0].set_ylabel("mean score (×100)")
     fig.suptitle("kvbudget (circles) and kvpress (squares): score against the prefill's cost")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -167,7 +175,9 @@ def main() -> None:
     lines = table(points, sorted(wanted - drawn), times, screen)
     print("\n".join(lines))
     if args.plot:
-        plot(points, args.plot)
+        plot(
+            points, args.plot, {label: (times[label], screen[label][0]) for label in screen if label in times}
+        )
     if args.update:
         ct.update(args.update, {"agnostic-cost": lines})
 

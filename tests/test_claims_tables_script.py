@@ -244,6 +244,37 @@ def test_verdicts_table_corrects_each_family_by_holm_and_leaves_unrun_comparison
     assert cells[4][8] == "**pending (not run)**" and cells[5][3] == "not run"
 
 
+def test_a_family_is_decided_by_its_final_comparisons_once_they_have_every_task():
+    """A family with stand-in baselines (provisional, its pending run named) switches to its final
+    comparisons only when each has every task its stand-in has: while the final baseline has one task
+    of two, the stand-ins decide and the pending note stays; with both tasks the final setting is
+    shown, its own verdict (here the opposite one) decides, and nothing is pending."""
+    tables = _load()
+
+    def rows_of(label: str, score: float, tasks: tuple[str, ...]) -> list[dict]:
+        return [{"label": label, "task": t, "length": 2048, "sample": i, "compression_ratio": 0.5,
+                 "score": score} for t in tasks for i in range(20)]  # fmt: skip
+
+    col = ("r", 0.5)
+    family = tables.Family(
+        "P", "stand-in", (tables.Comparison("m", "b", col),), pending="b at P's settings",
+        final=(tables.Comparison("m", "b@p", col),), final_setting="b at P's settings",
+    )  # fmt: skip
+    both = ("t1", "t2")
+    rows = rows_of("m", 0.5, both) + rows_of("b", 0.0, both) + rows_of("b@p", 1.0, ("t1",))
+
+    def first(rows):
+        return [
+            c.strip() for c in tables.verdicts_table({"leaderboard": rows}, [family])[2].strip("|").split("|")
+        ]
+
+    partial = first(rows)
+    assert partial[1:3] == ["stand-in", "m − b"] and partial[8:] == ["**reproduced**", "b at P's settings"]
+    final = first(rows + rows_of("b@p", 1.0, ("t2",)))
+    assert final[1:3] == ["b at P's settings", "m − b@p"] and final[8:] == ["**not reproduced**", "–"]
+    assert final[5] == "2"
+
+
 def test_the_cost_plot_pairs_each_score_with_its_median_time(tmp_path):
     """lab/scripts/agnostic_cost_plot.py: a label is drawn with its mean over the core tasks (20
     samples each) and the median prefill time of its side in bench peer's rows; one without a time,

@@ -317,12 +317,28 @@ class Comparison:
 class Family:
     """A paper's headline family: the comparisons its claim names, at the setting here
     nearest the claim's own (``setting``, in words). ``pending``: where these rows stand in for the
-    claim's exact setting, the run that would replace them (its verdict is provisional until then)."""
+    claim's exact setting, the run that would replace them (its verdict is provisional until then).
+    ``final``: that run's comparisons (``final_setting`` in words), one per comparison, which decide
+    the verdict in place of ``comparisons`` once each has every task its stand-in has."""
 
     paper: str
     setting: str
     comparisons: tuple[Comparison, ...]
     pending: str = ""
+    final: tuple[Comparison, ...] = ()
+    final_setting: str = ""
+
+    def decided_by(self, sources: dict[str, list[dict]]) -> tuple[str, tuple[Comparison, ...], str]:
+        """(setting, comparisons, pending) of the verdict: ``final``'s once all of it is measured on
+        the tasks the stand-ins have, else the stand-ins' (with ``pending``)."""
+        if self.final:
+            for stand_in, final in zip(self.comparisons, self.final, strict=True):
+                before, after = _measure(sources, stand_in), _measure(sources, final)
+                if after is None or (before is not None and set(after.tasks) < set(before.tasks)):
+                    break
+            else:
+                return self.final_setting, self.final, ""
+        return self.setting, self.comparisons, self.pending
 
 
 #: Tasks of the RULER family among the leaderboard's (rows' ``family`` = "ruler").
@@ -339,6 +355,11 @@ FAMILIES = (
             for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
         ),
         pending="the baselines at LAVa's App. D settings (`@lava`)",
+        final=tuple(
+            Comparison("lava", f"{b}@lava", AT_0875)
+            for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+        ),
+        final_setting="r = 0.875, 13 tasks, the baselines at LAVa's App. D settings (`@lava`)",
     ),
     Family(
         "ASL", "r = 0.875, 13 tasks; PyramidInfer at equal memory (it keeps ~81% of the prompt at "
@@ -349,6 +370,13 @@ FAMILIES = (
             Comparison("asl", "pyramidinfer", AT_0875, tasks=tuple(EVERY_RATIO), a_ratio=0.25),
         ),
         pending="FastKV and GemFilter at ASL's settings (`fastkv@asl`, `gemfilter@asl`)",
+        final=(
+            Comparison("asl", "fastkv@asl", AT_0875),
+            Comparison("asl", "gemfilter@asl", AT_0875),
+            Comparison("asl", "pyramidinfer", AT_0875, tasks=tuple(EVERY_RATIO), a_ratio=0.25),
+        ),
+        final_setting="r = 0.875, 13 tasks, FastKV and GemFilter at ASL's settings (App. C.2); "
+        "PyramidInfer at equal memory (ASL at r = 0.25), 5 tasks",
     ),
     Family(
         "BaKlaVa", "r = 0.875 (high compression), 13 tasks; BaKlaVa untuned",
@@ -392,17 +420,18 @@ def verdicts_table(sources: dict[str, list[dict]], families: Sequence[Family] = 
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for family in families:
-        measured = [_measure(sources, c) for c in family.comparisons]
+        setting, comparisons, pending = family.decided_by(sources)
+        measured = [_measure(sources, c) for c in comparisons]
         done = [m for m in measured if m is not None]
         adjusted = iter(holm_adjust([m.p_value for m in done]))
         holm = [None if m is None else next(adjusted) for m in measured]
         findings = [
             None if m is None else (c.direction, m.difference.mean, h)
-            for c, m, h in zip(family.comparisons, measured, holm, strict=True)
+            for c, m, h in zip(comparisons, measured, holm, strict=True)
         ]
         verdict = f"**{family_verdict(findings)}**"
-        for i, (c, m, h) in enumerate(zip(family.comparisons, measured, holm, strict=True)):
-            head = f"| {family.paper} | {family.setting} | " if i == 0 else "| | | "
+        for i, (c, m, h) in enumerate(zip(comparisons, measured, holm, strict=True)):
+            head = f"| {family.paper} | {setting} | " if i == 0 else "| | | "
             sign = "" if c.direction > 0 else " (lower is better)"
             if m is None:
                 cells = "not run | – | – | – | – | –"
@@ -414,7 +443,7 @@ def verdicts_table(sources: dict[str, list[dict]], families: Sequence[Family] = 
                     f"{scale * m.a.mean:.{digits}f} vs {scale * m.b.mean:.{digits}f} | "
                     f"{mean} [{low}, {high}] | {len(m.tasks)} | {_p(m.p_value)} | {_p(h)}"
                 )
-            tail = f"{verdict} | {family.pending or '–'} |" if i == 0 else " | |"
+            tail = f"{verdict} | {pending or '–'} |" if i == 0 else " | |"
             lines.append(head + f"{c.name}{sign} | {cells} | {tail}")
     return lines
 

@@ -38,7 +38,8 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
-    """One line per track and ratio; a ratio not yet run by both libraries says so."""
+    """One line per track and ratio; where no kvpress press finished a task at a ratio, kvbudget's best
+    alone (or "not run yet")."""
     lines = [
         "| track | r | kvbudget's best (held to the budget) | kvpress's best "
         "| kvbudget − kvpress [95% CI] | tasks |",
@@ -48,13 +49,34 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         for ratio in RATIOS:
             pair = ct.best_pair(rows, ratio)
             if pair is None:
-                lines.append(f"| {track} | {ratio:g} | not run yet | not run yet | – | – |")
+                alone = best_alone(rows, ratio)
+                ours, tasks = alone if alone else ("not run yet", "–")
+                lines.append(f"| {track} | {ratio:g} | {ours} | no press finished here yet | – | {tasks} |")
                 continue
             ours, peer = pair.cells()
             lines.append(
                 f"| {track} | {ratio:g} | {ours} | {peer} | {ct._cell(pair.diff)} | {len(pair.tasks)} |"
             )
     return lines
+
+
+def best_alone(rows: list[dict], ratio: float) -> tuple[str, int] | None:
+    """kvbudget's best method held to the budget at ``ratio`` where no kvpress press finished a task
+    there: its cell and the number of tasks, on the widest task set a method finished (every method
+    that finished it competes); ``None`` when none did."""
+    column = ("r", ratio)
+    mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None
+            and not r["label"].startswith(PEER_PREFIX)]  # fmt: skip
+    complete = ct._complete_tasks(mine, column)
+    ours = {
+        label: done for label, done in complete.items() if label not in ("full", *ct.BEYOND_BUDGET) and done
+    }
+    if not ours:
+        return None
+    tasks = max(ours.values(), key=lambda done: (len(done), sorted(done)))
+    labels = [label for label, done in ours.items() if tasks <= done]
+    means = {label: ct._mean_over_tasks(mine, label, column, tasks) for label in labels}
+    return ct._best_cell(ct._best(labels, means), labels, means), len(tasks)
 
 
 def curve_points(rows: list[dict], label: str, tasks: list[str]) -> dict[float, float]:

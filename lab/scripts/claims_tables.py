@@ -562,6 +562,7 @@ SAME_METHOD_PAIRS = [
         ("expected_attention", "expected-attention"), ("keydiff", "keydiff"), ("knorm", "knorm"),
         ("tova", "tova"), ("observed_attention", "observed-attention"), ("streaming_llm", "streamingllm"),
         ("snapkv", "snapkv"), ("adakv_snapkv", "ada-snapkv"), ("pyramidkv", "pyramidkv"),
+        ("compactor", "compactor"),
     ]
 ]  # fmt: skip
 

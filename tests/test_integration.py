@@ -46,10 +46,10 @@ def test_full_cache_finds_the_needle(full_500, needle_500):
 def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(
     name, model_and_tokenizer, needle_500, full_500
 ):
-    full = full_500
-    budget = full.prompt_tokens + (len(full.token_ids) if name in DECODE_METHODS else 0)
-    result = _run(model_and_tokenizer, needle_500, method=name, budget=budget)
-    assert result.token_ids == full.token_ids
+    full = full_500  # 6 tokens suffice: greedy, the full cache's first 6 are these tokens' reference
+    budget = full.prompt_tokens + (6 if name in DECODE_METHODS else 0)
+    result = _run(model_and_tokenizer, needle_500, method=name, budget=budget, max_new_tokens=6)
+    assert result.token_ids == full.token_ids[:6]
 
 
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])

@@ -318,7 +318,7 @@ def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
     """lab/scripts/leaderboard_summary.py: at a ratio where kvpress finished nothing, the line gives
     kvbudget's best on the widest task set a method finished (a method with fewer tasks does not
     compete, the full cache never does) and says no press finished; a ratio nobody ran says so."""
-    _load()  # the summary script imports claims_tables as a sibling
+    tables = _load()  # the summary script imports claims_tables as a sibling
     path = SCRIPT.with_name("leaderboard_summary.py")
     spec = importlib.util.spec_from_file_location("leaderboard_summary", path)
     summary = importlib.util.module_from_spec(spec)
@@ -330,7 +330,7 @@ def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
 
     rows = rows_of("full", 1.0, ("t1", "t2"), None) + rows_of("a", 0.5, ("t1", "t2"), 0.875)
     rows += rows_of("b", 0.9, ("t1",), 0.875) + rows_of("kvpress:x", 0.2, ("t1",), 0.5)
-    assert summary.best_alone(rows, 0.875) == ("a 50.0", 2)
+    assert tables.best_alone(rows, 0.875) == ("a 50.0", 2)
     lines = summary.summary_table([("agnostic", rows)])
     assert "| agnostic | 0.875 | a 50.0 | no press finished here yet | – | 2 |" in lines
     assert "| agnostic | 0.75 | not run yet | no press finished here yet | – | – |" in lines

@@ -69,22 +69,13 @@ def ttfts(peer: Path) -> dict[str, float]:
     return out
 
 
-SCREEN = (("niah_multikey_2", "vt"), 3, 0.5)
-
-
 def screen_scores(rows: list[dict]) -> dict[str, tuple[float, int]]:
-    """Each label's mean (and row count) on the kvpress screen's samples: the first 3 of niah_multikey_2
-    and vt at r = 0.5 (``claims_tables.screen_table``), for methods without the 20-sample rows yet."""
-    (tasks, limit, ratio), got = SCREEN, {}
-    for r in rows:
-        if (
-            row_column(r) == ("r", ratio)
-            and r["task"] in tasks
-            and r["sample"] < limit
-            and r.get("score") is not None
-        ):
-            got.setdefault(r["label"], []).append(r["score"])
-    return {label: (statistics.mean(v), len(v)) for label, v in got.items()}
+    """Each label's mean (and row count) on the kvpress screen's samples (``claims_tables.screen_rows``),
+    for methods without the 20-sample rows yet."""
+    return {
+        label: (statistics.mean(r["score"] for r in by.values()), len(by))
+        for label, by in ct.screen_rows(rows).items()
+    }
 
 
 def table(
@@ -126,7 +117,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(f"the screen's samples, r = {SCREEN[2]:g}", screened)] if screened else []
+    panels = [(f"the screen's samples, r = {ct.SCREEN_RATIO:g}", screened)] if screened else []
     panels += [(f"core tasks, r = {ratio:g}", points[ratio]) for ratio in RATIOS]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), sharey=True)
     for ax, (title, by_label) in zip(axes, panels, strict=True):

@@ -24,7 +24,7 @@ import json
 import re
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -328,12 +328,14 @@ class Family:
     final: tuple[Comparison, ...] = ()
     final_setting: str = ""
 
-    def decided_by(self, sources: dict[str, list[dict]]) -> tuple[str, tuple[Comparison, ...], str]:
+    def decided_by(
+        self, measure: Callable[[Comparison], PairedDifference | None]
+    ) -> tuple[str, tuple[Comparison, ...], str]:
         """(setting, comparisons, pending) of the verdict: ``final``'s once all of it is measured on
         the tasks the stand-ins have, else the stand-ins' (with ``pending``)."""
         if self.final:
             for stand_in, final in zip(self.comparisons, self.final, strict=True):
-                before, after = _measure(sources, stand_in), _measure(sources, final)
+                before, after = measure(stand_in), measure(final)
                 if after is None or (before is not None and set(after.tasks) < set(before.tasks)):
                     break
             else:
@@ -419,9 +421,16 @@ def verdicts_table(sources: dict[str, list[dict]], families: Sequence[Family] = 
         "| provisional until |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    measured_once: dict[Comparison, PairedDifference | None] = {}
+
+    def measure(c: Comparison) -> PairedDifference | None:  # each bootstrap runs once
+        if c not in measured_once:
+            measured_once[c] = _measure(sources, c)
+        return measured_once[c]
+
     for family in families:
-        setting, comparisons, pending = family.decided_by(sources)
-        measured = [_measure(sources, c) for c in comparisons]
+        setting, comparisons, pending = family.decided_by(measure)
+        measured = [measure(c) for c in comparisons]
         done = [m for m in measured if m is not None]
         adjusted = iter(holm_adjust([m.p_value for m in done]))
         holm = [None if m is None else next(adjusted) for m in measured]
@@ -562,7 +571,8 @@ SAME_METHOD_PAIRS = [
         ("expected_attention", "expected-attention"), ("keydiff", "keydiff"), ("knorm", "knorm"),
         ("tova", "tova"), ("observed_attention", "observed-attention"), ("streaming_llm", "streamingllm"),
         ("snapkv", "snapkv"), ("adakv_snapkv", "ada-snapkv"), ("pyramidkv", "pyramidkv"),
-        ("compactor", "compactor"),
+        ("compactor", "compactor"), ("snapkv@paper", "snapkv"), ("adakv_snapkv@paper", "ada-snapkv"),
+        ("pyramidkv@paper", "pyramidkv"),
     ]
 ]  # fmt: skip
 
@@ -578,21 +588,30 @@ SCREEN_COUNTERPARTS = {
 }  # fmt: skip
 
 
-def screen_table(rows: list[dict], ratio: float = 0.5, tasks: tuple[str, ...] = ("niah_multikey_2", "vt"),
-                 limit: int = 3) -> list[str]:  # fmt: skip
-    """kvpress's screen: every press's mean on the first ``limit`` samples of ``tasks`` at ``ratio``
-    (the samples it ran of them), beside kvbudget's same method on those very samples and the number
-    of samples where both answered the same text; best press first."""
-    column = ("r", ratio)
-    scored = defaultdict(dict)
+#: kvpress's screen: every press that runs offline, on the first ``SCREEN_LIMIT`` samples of these
+#: tasks at this ratio, question-agnostic (lab/scripts/leaderboard_run.py … --limit 3 --peer-presses all).
+SCREEN_TASKS, SCREEN_LIMIT, SCREEN_RATIO = ("niah_multikey_2", "vt"), 3, 0.5
+
+
+def screen_rows(rows: list[dict]) -> dict[str, dict[tuple[str, int], dict]]:
+    """The screen's scored rows: label → (task, sample) → row."""
+    scored: dict[str, dict[tuple[str, int], dict]] = defaultdict(dict)
     for r in rows:
         if (
             r.get("score") is not None
-            and row_column(r) == column
-            and r["task"] in tasks
-            and r["sample"] < limit
+            and row_column(r) == ("r", SCREEN_RATIO)
+            and r["task"] in SCREEN_TASKS
+            and r["sample"] < SCREEN_LIMIT
         ):
             scored[r["label"]][(r["task"], r["sample"])] = r
+    return scored
+
+
+def screen_table(rows: list[dict]) -> list[str]:
+    """kvpress's screen (:func:`screen_rows`): every press's mean on the samples it ran, beside
+    kvbudget's same method on those very samples and the number of samples where both answered the
+    same text; best press first."""
+    scored = screen_rows(rows)
     presses = [label for label in scored if label.startswith(PEER_PREFIX)]
     if not presses:
         return ["(no screen rows yet)"]
@@ -779,6 +798,28 @@ class BestPair:
         return ours, _best_cell(self.peer, self.peer_labels, self.means)
 
 
+def held_to_budget(label: str) -> bool:
+    """A kvbudget method that competes for "best held to the budget": not the full cache, not a
+    kvpress press, not a method that keeps more than the budget by design."""
+    return label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
+
+
+def best_alone(rows: list[dict], ratio: float) -> tuple[str, int] | None:
+    """kvbudget's best method held to the budget at ``ratio``, for a ratio where no kvpress press
+    finished a task: its cell and the number of tasks, on the widest task set a method finished
+    (every method that finished it competes); ``None`` when none did."""
+    column = ("r", ratio)
+    mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
+    complete = {label: done for label, done in _complete_tasks(mine, column).items()
+                if held_to_budget(label) and done}  # fmt: skip
+    if not complete:
+        return None
+    tasks = max(complete.values(), key=lambda done: (len(done), sorted(done)))
+    labels = [label for label, done in complete.items() if tasks <= done]
+    means = {label: _mean_over_tasks(mine, label, column, tasks) for label in labels}
+    return _best_cell(_best(labels, means), labels, means), len(tasks)
+
+
 def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
     """kvbudget's best against kvpress's best at ``ratio``, on the tasks both bests finished
     (``MIN_SAMPLES`` each): the largest task set a kvpress press finished, and every press that
@@ -792,9 +833,7 @@ def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
         return None
     tasks = max(finished, key=lambda t: (len(t), sorted(t)))
     peers = [label for label in complete if label.startswith(PEER_PREFIX) and tasks <= complete[label]]
-    ours = [label for label in complete
-            if label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
-            and tasks <= complete[label]]  # fmt: skip
+    ours = [label for label in complete if held_to_budget(label) and tasks <= complete[label]]
     if not tasks or not ours:
         return None
     means = {label: _mean_over_tasks(mine, label, column, tasks) for label in [*ours, *peers]}

@@ -49,7 +49,7 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         for ratio in RATIOS:
             pair = ct.best_pair(rows, ratio)
             if pair is None:
-                alone = best_alone(rows, ratio)
+                alone = ct.best_alone(rows, ratio)
                 ours, tasks = alone if alone else ("not run yet", "–")
                 lines.append(f"| {track} | {ratio:g} | {ours} | no press finished here yet | – | {tasks} |")
                 continue
@@ -58,25 +58,6 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
                 f"| {track} | {ratio:g} | {ours} | {peer} | {ct._cell(pair.diff)} | {len(pair.tasks)} |"
             )
     return lines
-
-
-def best_alone(rows: list[dict], ratio: float) -> tuple[str, int] | None:
-    """kvbudget's best method held to the budget at ``ratio`` where no kvpress press finished a task
-    there: its cell and the number of tasks, on the widest task set a method finished (every method
-    that finished it competes); ``None`` when none did."""
-    column = ("r", ratio)
-    mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None
-            and not r["label"].startswith(PEER_PREFIX)]  # fmt: skip
-    complete = ct._complete_tasks(mine, column)
-    ours = {
-        label: done for label, done in complete.items() if label not in ("full", *ct.BEYOND_BUDGET) and done
-    }
-    if not ours:
-        return None
-    tasks = max(ours.values(), key=lambda done: (len(done), sorted(done)))
-    labels = [label for label, done in ours.items() if tasks <= done]
-    means = {label: ct._mean_over_tasks(mine, label, column, tasks) for label in labels}
-    return ct._best_cell(ct._best(labels, means), labels, means), len(tasks)
 
 
 def curve_points(rows: list[dict], label: str, tasks: list[str]) -> dict[float, float]:

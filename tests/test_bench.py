@@ -17,7 +17,7 @@ from conftest import TINY, config_only_model
 from kvbudget.bench import memory
 from kvbudget.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from kvbudget.bench.grid import BenchConfig, aggregate, run_key, run_worker
-from kvbudget.bench.measure import MeasureSpec
+from kvbudget.bench.measure import MeasureSpec, measure
 from kvbudget.bench.report import bound_lines, markdown, targets, write_bench_report
 from kvbudget.cli import app
 from kvbudget.errors import KVBudgetError
@@ -331,7 +331,7 @@ def test_worker_decodes_statically_when_asked_and_keys_it_apart(tmp_path: Path) 
     assert row["decode_path"] == "static" and row["decode_steps"] == 2
     assert row["static_setup_s"] > 0  # the move into static buffers (no graph on the CPU)
     assert row["tpot_steady_s"] == pytest.approx((2 * row["tpot_s"] - row["static_setup_s"]) / 2)
-    h2o = run_worker(MeasureSpec(method="h2o", **base), threads=1)
+    h2o = measure(MeasureSpec(method="h2o", **base))  # in this process: the worker path ran above
     assert h2o["decode_path"] == "eager" and "evicts while decoding" in h2o["static_refusal"]
     static = MeasureSpec(decode="static")
     assert len({run_key(static), run_key(MeasureSpec()), run_key(MeasureSpec(decode="static-compiled"))}) == 3

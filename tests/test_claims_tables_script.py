@@ -246,9 +246,10 @@ def test_verdicts_table_corrects_each_family_by_holm_and_leaves_unrun_comparison
 
 def test_a_family_is_decided_by_its_final_comparisons_once_they_have_every_task():
     """A family with stand-in baselines (provisional, its pending run named) switches to its final
-    comparisons only when each has every task its stand-in has: while the final baseline has one task
-    of two, the stand-ins decide and the pending note stays; with both tasks the final setting is
-    shown, its own verdict (here the opposite one) decides, and nothing is pending."""
+    comparisons only when each has every task its stand-in has (or every task it names): while the
+    final baseline has one task of two, the stand-ins decide and the pending note stays; with both
+    tasks the final setting is shown, its own verdict (here the opposite one) decides, and nothing
+    is pending."""
     tables = _load()
 
     def rows_of(label: str, score: float, tasks: tuple[str, ...]) -> list[dict]:
@@ -273,6 +274,14 @@ def test_a_family_is_decided_by_its_final_comparisons_once_they_have_every_task(
     final = first(rows + rows_of("b@p", 1.0, ("t2",)))
     assert final[1:3] == ["b at P's settings", "m − b@p"] and final[8:] == ["**not reproduced**", "–"]
     assert final[5] == "2"
+    # a final comparison naming its tasks (a run cut to them) decides once it has those
+    family = tables.Family(
+        "P", "stand-in", (tables.Comparison("m", "b", col),), pending="b at P's settings",
+        final=(tables.Comparison("m", "b@p", col, tasks=("t1",)),), final_setting="b at P's, t1",
+    )  # fmt: skip
+    cut = first(rows)
+    assert cut[1:3] == ["b at P's, t1", "m − b@p"] and cut[5] == "1"
+    assert cut[8:] == ["**not reproduced**", "–"]
 
 
 def test_the_cost_plot_pairs_each_score_with_its_median_time(tmp_path):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import kvbudget
 from kvbudget.engine import build_prompt
+from kvbudget.eval.runner import EvalConfig, Runner
+from kvbudget.eval.store import load_rows
 from kvbudget.eval.tasks.needle import needle_sample
 from kvbudget.methods.registry import make_method
 from method_matrix import ALL_METHODS, BEYOND_BUDGET, DECODE_METHODS
@@ -33,43 +37,76 @@ def _run(model_and_tokenizer, sample, **kwargs):
     )  # fmt: skip
 
 
+#: one budget for the matrix's compressed runs (qfilter's 64-token window needs 65)
+MATRIX_BUDGET = max(64, *(make_method(name).min_budget() for name in ALL_METHODS))
+MATRIX_TOKENS = 6  # greedy: the full cache's first 6 tokens are each run's reference
+
+
+def _matrix(model_and_tokenizer, out: Path, methods: list[str], budgets: list[int]) -> dict:
+    """Rows by (label, budget) of one needle sample (~550 tokens) run by the evaluation runner."""
+    model, tokenizer = model_and_tokenizer
+    config = EvalConfig(
+        tasks=["needle"], lengths=[500], methods=methods, budgets=budgets, limit=1,
+        max_new_tokens=MATRIX_TOKENS,
+    )  # fmt: skip
+    Runner(config, out, model=model, tokenizer=tokenizer, progress=False).run()
+    return {(row["label"], row["budget"]): row for row in load_rows(out / "results.jsonl")}
+
+
 @pytest.fixture(scope="module")
-def full_500(model_and_tokenizer, needle_500):
-    return _run(model_and_tokenizer, needle_500, method="full")
+def matrix(model_and_tokenizer, tmp_path_factory) -> dict:
+    """Every method on one real needle sample through the runner's shared prefill (the leaderboard's
+    path; bit-identical to each method's own prefill, tests/test_eval_runner.py): at
+    ``MATRIX_BUDGET``, and at a budget covering the prompt — its length, ``MATRIX_TOKENS`` more for
+    methods that evict while decoding. One prefill a part serves the 47 methods' 94 runs."""
+    probe = _matrix(model_and_tokenizer, tmp_path_factory.mktemp("probe"), ["full"], [MATRIX_BUDGET])
+    prompt = probe[("full", None)]["prompt_tokens"]
+    rows = {}
+    for methods, covering in (
+        ([m for m in ALL_METHODS if m not in DECODE_METHODS], prompt),
+        (["full", *DECODE_METHODS], prompt + MATRIX_TOKENS),
+    ):
+        out = tmp_path_factory.mktemp("matrix")
+        rows.update(_matrix(model_and_tokenizer, out, methods, [MATRIX_BUDGET, covering]))
+    return rows, prompt
 
 
-def test_full_cache_finds_the_needle(full_500, needle_500):
-    assert needle_500.answers[0] in full_500.text, full_500.text
+def test_full_cache_finds_the_needle(matrix):
+    rows, _ = matrix
+    full = rows[("full", None)]  # its 6 tokens: a space and the needle's first 5 digits (of 7)
+    assert full["error"] is None and len(full["prediction"].strip()) == 5, full["prediction"]
+    assert full["answers"][0].startswith(full["prediction"].strip()), (full["prediction"], full["answers"])
 
 
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])
-def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(
-    name, model_and_tokenizer, needle_500, full_500
-):
-    full = full_500  # 6 tokens suffice: greedy, the full cache's first 6 are these tokens' reference
-    budget = full.prompt_tokens + (6 if name in DECODE_METHODS else 0)
-    result = _run(model_and_tokenizer, needle_500, method=name, budget=budget, max_new_tokens=6)
-    assert result.token_ids == full.token_ids[:6]
+def test_every_method_is_a_no_op_when_the_budget_covers_the_prompt(name, matrix):
+    rows, prompt = matrix
+    row = rows[(name, prompt + (MATRIX_TOKENS if name in DECODE_METHODS else 0))]
+    assert row["error"] is None, row["error"]
+    # the full cache's answer, token for token, with the same log-probabilities
+    assert row["agreement"] == 1.0 and row["prediction"] == row["full_prediction"], row["prediction"]
+    assert row["kl"] == pytest.approx(0.0, abs=1e-5)
 
 
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m != "full"])
-def test_every_method_runs_end_to_end(name, model_and_tokenizer, needle_500):
+def test_every_method_runs_end_to_end(name, matrix):
     """One budget on the real model (the tiny models' matrix checks budgets more widely)."""
-    budget = max(64, make_method(name).min_budget())  # qfilter's 64-token window needs 65
-    result = _run(model_and_tokenizer, needle_500, method=name, budget=budget, max_new_tokens=6)
+    rows, prompt = matrix
+    row, full = rows[(name, MATRIX_BUDGET)], rows[("full", None)]
+    assert row["error"] is None, row["error"]
     layers, heads = 30, 3
-    assert result.budgets.shape == (layers, heads)
-    assert len(result.token_ids) == 6 or result.token_ids[-1] == model_and_tokenizer[1].eos_token_id
-    entries = result.cache_stats_after.entries
+    budgets = torch.tensor(row["budgets"])
+    assert budgets.shape == (layers, heads)
+    assert isinstance(row["prediction"], str) and 0 <= row["agreement"] <= 1
     if name in BEYOND_BUDGET:
         # asl-fullkv: full cache up to the selection layer (everywhere when none is selected, as the
-        # authors' code); PyramidInfer's
-        # layer 0 keeps the whole prompt: these hold more than the budget by design
-        assert result.cache_stats_after.logical_bytes <= result.cache_stats_before.logical_bytes
+        # authors' code); PyramidInfer's layer 0 keeps the whole prompt: these hold more than the
+        # budget by design
+        assert row["logical_bytes"] <= full["logical_bytes"]
         return
-    assert int(entries.sum()) <= layers * heads * budget * 1.1  # pyramid's floored step may add a little
+    assert int(budgets.sum()) <= layers * heads * MATRIX_BUDGET * 1.1  # pyramid's floored step adds a little
     # the ~550-token prompt kept at most 1.1 × 65 entries a head: the bytes shrink by over 7×
-    assert result.cache_stats_after.logical_bytes < result.cache_stats_before.logical_bytes / 7
+    assert prompt > 540 and row["logical_bytes"] < full["logical_bytes"] / 7
 
 
 def test_ada_snapkv_saves_real_memory_with_skewed_head_budgets(model_and_tokenizer):

@@ -51,28 +51,55 @@ def _ids(seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """kvpress's SnapKVPress kept positions for two prompts × three budgets (one runner call)."""
+def peer_kept(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """kvpress's kept positions for every job of this file's index oracles, on two 300-token prompts,
+    in one runner call (one start of kvpress's interpreter): SnapKV at three budgets, the newer
+    scorers (``NEW_PEERS``) and the 2026 presses (``ORACLE_2026``).
+
+    The model is saved with a tokenizer without a chat template: KVzipPress loads it from the
+    model's path to tokenise its requests, and so does our KVzip (prefix none, suffix ``"\\n"``).
+    """
     needs_peer()
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_tokenizer
+
     tmp = tmp_path_factory.mktemp("kvpress")
-    model = tiny_model("llama", seed=3)
-    model.save_pretrained(tmp / "model")
+    tiny_model("llama", seed=3).save_pretrained(tmp / "model")
+    tiny_tokenizer().save_pretrained(tmp / "model")
     samples = [
         {"id": f"s{seed}", "context_ids": _ids(seed), "question_ids": [], "eos_ids": [], "max_new_tokens": 1}
         for seed in (1, 2)
     ]
     (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    _, press = PEERS["snapkv"]
-    (tmp / "jobs.json").write_text(json.dumps([{**press, "method": "snapkv", "budget": b} for b in BUDGETS]))
-    subprocess.run(
+    surrogates = _kvzap_surrogates(tiny_model("llama", seed=3), tmp)
+    jobs = [{**PEERS["snapkv"][1], "method": "snapkv", "budget": b} for b in BUDGETS]
+    jobs += [{**press, "method": name, "budget": b} for name, (_, press, bs) in NEW_PEERS.items() for b in bs]
+    jobs += [{**job, "kvzap_weights": surrogates[job["kvzap_weights"]]} if "kvzap_weights" in job else job
+             for job in ORACLE_2026.values()]  # fmt: skip
+    assert len({(job["method"], job["budget"]) for job in jobs}) == len(jobs)
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run(
         [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
          "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
          "--out", str(tmp / "out.jsonl"), "--indices"],
-        check=True, capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(tmp / "model").eval()  # name_or_path: the saved folder
     return {"model": model, "ids": {s["id"]: s["context_ids"] for s in samples},
-            "kept": {(r["sample"], r["budget"]): r["indices"] for r in rows}}  # fmt: skip
+            "kept": {(r["method"], r["sample"], r["budget"]): r["indices"] for r in rows},
+            "kvzap": surrogates}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def oracle(peer_kept: dict) -> dict:
+    """kvpress's SnapKVPress kept positions for two prompts × three budgets."""
+    kept = {
+        (sample, budget): v for (method, sample, budget), v in peer_kept["kept"].items() if method == "snapkv"
+    }
+    return {"model": peer_kept["model"], "ids": peer_kept["ids"], "kept": kept}
 
 
 def our_indices(model, ids: list[int], method: str, budget: int) -> list[list[list[int]]]:
@@ -102,27 +129,37 @@ def test_default_snapkv_differs_from_kvpress(oracle: dict) -> None:
     assert ours != oracle["kept"][("s1", 100)]
 
 
+@pytest.fixture(scope="module")
+def end_to_end(oracle: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """kvpress's runner on a prompt with a question: SnapKV at budget 90, question-agnostic and
+    question-aware (one runner call); rows by ``aware``."""
+    tmp = tmp_path_factory.mktemp("kvpress-answers")
+    sample = {"id": "q", "context_ids": oracle["ids"]["s1"], "question_ids": _ids(7)[:12], "eos_ids": [],
+              "max_new_tokens": 6}  # fmt: skip
+    (tmp / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    jobs = [{**PEERS["snapkv"][1], "method": f"snapkv-{aware}", "budget": 90, "question_aware": aware}
+            for aware in (False, True)]  # fmt: skip
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    oracle["model"].save_pretrained(tmp / "model")
+    subprocess.run(
+        [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
+         "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
+         "--out", str(tmp / "out.jsonl")],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
+    return {"sample": sample, "rows": {row["method"] == "snapkv-True": row for row in rows}}
+
+
 @pytest.mark.parametrize("aware", [False, True])
-def test_answers_match_kvpress_end_to_end(oracle: dict, tmp_path: Path, aware: bool) -> None:
+def test_answers_match_kvpress_end_to_end(oracle: dict, end_to_end: dict, aware: bool) -> None:
     """`bench peer`'s two paths — kvpress's runner and our `run_ours` — decode the same tokens,
     question-agnostic and question-aware, for SnapKV with kvpress's settings."""
     from kvbudget.bench.peer import run_ours
 
     model = oracle["model"]
-    sample = {"id": "q", "context_ids": oracle["ids"]["s1"], "question_ids": _ids(7)[:12], "eos_ids": [],
-              "max_new_tokens": 6}  # fmt: skip
-    (tmp_path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
-    job = {**PEERS["snapkv"][1], "method": "snapkv", "budget": 90, "question_aware": aware}
-    (tmp_path / "jobs.json").write_text(json.dumps([job]))
-    model.save_pretrained(tmp_path / "model")
-    subprocess.run(
-        [str(PEER), "-P", str(runner_script()), "--model", str(tmp_path / "model"),
-         "--samples", str(tmp_path / "samples.jsonl"), "--jobs", str(tmp_path / "jobs.json"),
-         "--out", str(tmp_path / "out.jsonl")],
-        check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    (theirs,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    ours = run_ours(model, sample, "snapkv", 90, question_aware=aware)
+    theirs = end_to_end["rows"][aware]
+    ours = run_ours(model, end_to_end["sample"], "snapkv", 90, question_aware=aware)
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert theirs["kept_entries"] == ours["kept_entries"] == layers * heads * 90
     assert len(ours["token_ids"]) == 6
@@ -207,26 +244,10 @@ json.dump(rows, open(out_path, "w"))
 
 
 @pytest.fixture(scope="module")
-def new_oracle(oracle: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def new_oracle(peer_kept: dict) -> dict:
     """kvpress's KeyDiff, LagKV, ChunkKV(SnapKV) and ObservedAttention (eager attention) kept positions
     on the oracle's model and prompts."""
-    tmp = tmp_path_factory.mktemp("kvpress-new")
-    oracle["model"].save_pretrained(tmp / "model")
-    samples = [
-        {"id": sid, "context_ids": ids, "question_ids": [], "eos_ids": [], "max_new_tokens": 1}
-        for sid, ids in oracle["ids"].items()
-    ]
-    (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    jobs = [{**press, "method": name, "budget": b} for name, (_, press, bs) in NEW_PEERS.items() for b in bs]
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run(
-        [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
-         "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
-         "--out", str(tmp / "out.jsonl"), "--indices"],
-        check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
-    return {(r["method"], r["sample"], r["budget"]): r["indices"] for r in rows}
+    return {key: v for key, v in peer_kept["kept"].items() if key[0] in NEW_PEERS}
 
 
 def _assert_same(ours: list, theirs: list, budget: int) -> None:
@@ -400,41 +421,12 @@ TIED_BY_TOKEN = {"leverage", "kvzap", "kvzap-decoding"}
 
 
 @pytest.fixture(scope="module")
-def oracle_2026(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """kvpress's kept positions for Expected Attention and KVzip on two 300-token prompts.
-
-    The model is saved with a tokenizer without a chat template: KVzipPress loads it from the
-    model's path to tokenise its requests, and so does our KVzip (prefix none, suffix ``"\\n"``).
-    """
-    needs_peer()
-    from transformers import AutoModelForCausalLM
-
-    from conftest import tiny_tokenizer
-
-    tmp = tmp_path_factory.mktemp("kvpress2026")
-    tiny_model("llama", seed=3).save_pretrained(tmp / "model")
-    tiny_tokenizer().save_pretrained(tmp / "model")
-    samples = [
-        {"id": f"s{seed}", "context_ids": _ids(seed), "question_ids": [], "eos_ids": [], "max_new_tokens": 1}
-        for seed in (1, 2)
-    ]
-    (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    surrogates = _kvzap_surrogates(tiny_model("llama", seed=3), tmp)
-    jobs = [{**job, "kvzap_weights": surrogates[job["kvzap_weights"]]} if "kvzap_weights" in job else job
-            for job in ORACLE_2026.values()]  # fmt: skip
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run(
-        [str(PEER), "-P", str(runner_script()), "--model", str(tmp / "model"),
-         "--samples", str(tmp / "samples.jsonl"), "--jobs", str(tmp / "jobs.json"),
-         "--out", str(tmp / "out.jsonl"), "--indices"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp / "out.jsonl").read_text().splitlines()]
-    model = AutoModelForCausalLM.from_pretrained(tmp / "model").eval()  # name_or_path: the saved folder
-    return {"model": model, "ids": {s["id"]: s["context_ids"] for s in samples},
-            "kept": {(r["sample"], r["method"]): r["indices"] for r in rows},
-            "kvzap": surrogates}  # fmt: skip
+def oracle_2026(peer_kept: dict) -> dict:
+    """kvpress's kept positions for Expected Attention, KVzip and the 2026 presses on the two
+    300-token prompts."""
+    methods = {job["method"] for job in ORACLE_2026.values()}
+    kept = {(sample, method): v for (method, sample, _), v in peer_kept["kept"].items() if method in methods}
+    return {**peer_kept, "kept": kept}
 
 
 def _kept_2026(model, ids: list[int], spec: str, job: dict, **options) -> list[list[list[int]]]:

@@ -303,7 +303,7 @@ def test_real_model_generate_and_answer(real_model):
     from kvbudget.eval.tasks.needle import needle_sample
 
     model, tokenizer = real_model
-    sample = needle_sample(tokenizer, length=600, depth=0.5, haystack="essays", seed=2)
+    sample = needle_sample(tokenizer, length=300, depth=0.5, haystack="essays", seed=2)
     prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     ids = torch.tensor([prompt.ids])
     for name in ("snapkv", "streamingllm", "ada-snapkv"):

@@ -32,7 +32,7 @@ from kvbudget.errors import KVBudgetError
 from kvbudget.eval.paired import PairedDifference, holm_adjust, paired_difference, row_column
 from kvbudget.eval.report import PEER_PREFIX, across_tasks
 from kvbudget.eval.store import archive_parts, load_rows
-from kvbudget.eval.suites import LEADERBOARD_PLAN
+from kvbudget.eval.suites import LEADERBOARD_CORE_TASKS, LEADERBOARD_PLAN
 from kvbudget.methods.registry import method_info, method_names
 
 #: Methods that hold more than the budget by design (marked ¹ in docs/leaderboard-analysis.md): their classes'
@@ -319,7 +319,8 @@ class Family:
     nearest the claim's own (``setting``, in words). ``pending``: where these rows stand in for the
     claim's exact setting, the run that would replace them (its verdict is provisional until then).
     ``final``: that run's comparisons (``final_setting`` in words), one per comparison, which decide
-    the verdict in place of ``comparisons`` once each has every task its stand-in has."""
+    the verdict in place of ``comparisons`` once each has every task it names (``tasks``; without
+    them, every task its stand-in has)."""
 
     paper: str
     setting: str
@@ -332,11 +333,16 @@ class Family:
         self, measure: Callable[[Comparison], PairedDifference | None]
     ) -> tuple[str, tuple[Comparison, ...], str]:
         """(setting, comparisons, pending) of the verdict: ``final``'s once all of it is measured on
-        the tasks the stand-ins have, else the stand-ins' (with ``pending``)."""
+        the tasks it names (else those the stand-ins have), else the stand-ins' (with ``pending``)."""
         if self.final:
             for stand_in, final in zip(self.comparisons, self.final, strict=True):
-                before, after = measure(stand_in), measure(final)
-                if after is None or (before is not None and set(after.tasks) < set(before.tasks)):
+                after = measure(final)
+                if final.tasks is not None:
+                    needed = set(final.tasks)
+                else:
+                    before = measure(stand_in)
+                    needed = set(before.tasks) if before is not None else set()
+                if after is None or not needed <= set(after.tasks):
                     break
             else:
                 return self.final_setting, self.final, ""
@@ -348,6 +354,10 @@ RULER_FAMILY = "ruler"
 #: Scale and decimals of each row source's scores in the verdicts table (×100 scores, KL as is).
 SOURCE_FORMAT = {"leaderboard": (100.0, 1), "d2o-longgen-kl": (1.0, 3)}
 AT_0875 = ("r", 0.875)
+#: the profile BaKlaVa's tuned rows ran with (its ``tuned`` block: Algorithm 3 on perplexity)
+BAKLAVA_PROFILE = "lab/results/claims-baklava/profile.json"
+#: the leaderboard's core tasks: where the runs that replace stand-ins were cut to (compute)
+CORE = tuple(LEADERBOARD_CORE_TASKS)
 
 FAMILIES = (
     Family(
@@ -358,10 +368,10 @@ FAMILIES = (
         ),
         pending="the baselines at LAVa's App. D settings (`@lava`)",
         final=tuple(
-            Comparison("lava", f"{b}@lava", AT_0875)
+            Comparison("lava", f"{b}@lava", AT_0875, tasks=CORE)
             for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
         ),
-        final_setting="r = 0.875, 13 tasks, the baselines at LAVa's App. D settings (`@lava`)",
+        final_setting="r = 0.875, the 6 core tasks, the baselines at LAVa's App. D settings (`@lava`)",
     ),
     Family(
         "ASL", "r = 0.875, 13 tasks; PyramidInfer at equal memory (it keeps ~81% of the prompt at "
@@ -373,17 +383,26 @@ FAMILIES = (
         ),
         pending="FastKV and GemFilter at ASL's settings (`fastkv@asl`, `gemfilter@asl`)",
         final=(
-            Comparison("asl", "fastkv@asl", AT_0875),
-            Comparison("asl", "gemfilter@asl", AT_0875),
+            Comparison("asl", "fastkv@asl", AT_0875, tasks=CORE),
+            Comparison("asl", "gemfilter@asl", AT_0875, tasks=CORE),
             Comparison("asl", "pyramidinfer", AT_0875, tasks=tuple(EVERY_RATIO), a_ratio=0.25),
         ),
-        final_setting="r = 0.875, 13 tasks, FastKV and GemFilter at ASL's settings (App. C.2); "
+        final_setting="r = 0.875, the 6 core tasks, FastKV and GemFilter at ASL's settings (App. C.2); "
         "PyramidInfer at equal memory (ASL at r = 0.25), 5 tasks",
     ),
     Family(
         "BaKlaVa", "r = 0.875 (high compression), 13 tasks; BaKlaVa untuned",
         (Comparison("baklava", "streamingllm", AT_0875), Comparison("baklava", "squeezeattention", AT_0875)),
-        pending="BaKlaVa and SqueezeAttention tuned (perplexity-tuned profile; tuned on held-out tasks)",
+        pending="BaKlaVa and SqueezeAttention with the perplexity-tuned profile (the paper's protocol)",
+        final=(
+            Comparison(f"baklava:profile={BAKLAVA_PROFILE}", "streamingllm", AT_0875, tasks=CORE),
+            Comparison(
+                f"baklava:profile={BAKLAVA_PROFILE}", f"squeezeattention:profile={BAKLAVA_PROFILE}", AT_0875,
+                tasks=CORE,
+            ),
+        ),
+        final_setting="r = 0.875, the 6 core tasks; BaKlaVa and SqueezeAttention with the profile "
+        "tuned on perplexity (Algorithm 3, the paper's protocol)",
     ),
     Family(
         "Lookahead Q-Cache", "r = 0.875, lcc (the one LongBench task here)",

@@ -135,3 +135,24 @@ def test_the_evaluation_scores_every_method_on_the_same_tokens(tmp_path):
     full = next(r for r in rows if r["label"] == "full")
     assert all(r["full_score"] == full["score"] for r in rows)
     assert scored_from(2048) == 1024 and scored_from(100, chunk=64) == 64  # at least one chunk
+
+
+def test_the_novels_are_tokenised_once_per_tokenizer_pipeline():
+    """Another copy of one tokenizer (a chat template does not change the pipeline) reuses the ids
+    (the same object, no second pass over ~4 M characters); another vocabulary is another pipeline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvbudget.data import austen_novels
+    from kvbudget.eval.tasks.perplexity import austen_ids, tokenizer_fingerprint
+
+    first = austen_ids(tiny_tokenizer())
+    assert austen_ids(tiny_tokenizer(chat_template=True)) is first
+    opening = next(iter(austen_novels().values()))[:200]
+    direct = tuple(tiny_tokenizer()(opening, add_special_tokens=False)["input_ids"])
+    assert len(direct) > 150 and first[: len(direct)] == direct
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "and": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    plain = tokenizer_fingerprint(tiny_tokenizer())
+    assert tokenizer_fingerprint(words) != plain == tokenizer_fingerprint(tiny_tokenizer(chat_template=True))

@@ -26,6 +26,12 @@ def pyramid_layer_budget(
     layer ``l`` keeps ``max − l·step`` plus the window. The floored step makes the layers' total
     exceed ``layers · budget`` by ``ε·layers·(layers−1)/2`` entries per head, ``ε < 1`` the step's
     dropped fraction (as in the authors' code; a few percent at the papers' budgets).
+
+    Where the prompt is shorter than ``2B'`` (a compression ratio below about 0.5) the authors'
+    code (``PyramidKVCluster.update_kv``) keeps the uniform ``B'`` at every layer instead; this
+    keeps the clamped pyramid there (the formula of the paper and of ``METHODS.md``). kvpress
+    0.5.5's ``PyramidKVPress`` falls back to uniform in the opposite case, when ``min`` would fall
+    below the window (at β = 20 and window 64, every ratio above about 0.4 on a 2K prompt).
     """
     if budget >= length:
         return length

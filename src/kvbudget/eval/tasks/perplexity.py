@@ -21,11 +21,12 @@ comparable with another on the same tokens — the early ones, with little conte
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -57,11 +58,33 @@ def scored_from(length: int, chunk: int = 32) -> int:
     return max(chunk, min(int(length * CONTEXT_SHARE), length - 1))
 
 
-@lru_cache(maxsize=2)
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What decides a tokenizer's ids, hashed: a fast tokenizer's whole serialised pipeline
+    (normaliser, pre-tokeniser, model, post-processor), else its class and vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        content = backend.to_str()
+    else:
+        content = f"{type(tokenizer).__name__}{sorted(tokenizer.get_vocab().items())}"
+    return hashlib.sha256(content.encode("utf-8")).hexdigest()
+
+
+#: the novels' ids of the last two tokenizer pipelines (by :func:`tokenizer_fingerprint`)
+_AUSTEN_IDS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+
 def austen_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The token ids of every Austen novel, joined by blank lines (memoised per tokenizer)."""
-    text = "\n\n".join(austen_novels().values())
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """The token ids of every Austen novel, joined by blank lines (~4 M characters: seconds to
+    tokenise; memoised per tokenizer pipeline, so another copy of one tokenizer reuses its ids)."""
+    key = tokenizer_fingerprint(tokenizer)
+    if key in _AUSTEN_IDS:
+        _AUSTEN_IDS.move_to_end(key)
+    else:
+        text = "\n\n".join(austen_novels().values())
+        _AUSTEN_IDS[key] = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        while len(_AUSTEN_IDS) > 2:
+            _AUSTEN_IDS.popitem(last=False)
+    return _AUSTEN_IDS[key]
 
 
 def make_samples(

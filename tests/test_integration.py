@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -42,15 +40,12 @@ MATRIX_BUDGET = max(64, *(make_method(name).min_budget() for name in ALL_METHODS
 MATRIX_TOKENS = 6  # greedy: the full cache's first 6 tokens are each run's reference
 
 
-def _matrix(model_and_tokenizer, out: Path, methods: list[str], budgets: list[int]) -> dict:
-    """Rows by (label, budget) of one needle sample (~550 tokens) run by the evaluation runner."""
-    model, tokenizer = model_and_tokenizer
-    config = EvalConfig(
+def _config(methods: list[str], budgets: list[int]) -> EvalConfig:
+    """One needle sample (~550 tokens) of the real model, ``MATRIX_TOKENS`` answer tokens."""
+    return EvalConfig(
         tasks=["needle"], lengths=[500], methods=methods, budgets=budgets, limit=1,
         max_new_tokens=MATRIX_TOKENS,
     )  # fmt: skip
-    Runner(config, out, model=model, tokenizer=tokenizer, progress=False).run()
-    return {(row["label"], row["budget"]): row for row in load_rows(out / "results.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +54,20 @@ def matrix(model_and_tokenizer, tmp_path_factory) -> dict:
     path; bit-identical to each method's own prefill, tests/test_eval_runner.py): at
     ``MATRIX_BUDGET``, and at a budget covering the prompt — its length, ``MATRIX_TOKENS`` more for
     methods that evict while decoding. One prefill a part serves the 47 methods' 94 runs."""
-    probe = _matrix(model_and_tokenizer, tmp_path_factory.mktemp("probe"), ["full"], [MATRIX_BUDGET])
-    prompt = probe[("full", None)]["prompt_tokens"]
+    model, tokenizer = model_and_tokenizer
+    probe = Runner(_config(["full"], []), tmp_path_factory.mktemp("probe"), model=model, tokenizer=tokenizer)
+    ((_, _, _, sample),) = probe.samples()  # the sample the runs below prefill, built without a model run
+    prompt = len(build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix).ids)
     rows = {}
     for methods, covering in (
         ([m for m in ALL_METHODS if m not in DECODE_METHODS], prompt),
         (["full", *DECODE_METHODS], prompt + MATRIX_TOKENS),
     ):
         out = tmp_path_factory.mktemp("matrix")
-        rows.update(_matrix(model_and_tokenizer, out, methods, [MATRIX_BUDGET, covering]))
+        config = _config(methods, [MATRIX_BUDGET, covering])
+        Runner(config, out, model=model, tokenizer=tokenizer, progress=False).run()
+        rows.update({(row["label"], row["budget"]): row for row in load_rows(out / "results.jsonl")})
+    assert rows[("full", None)]["prompt_tokens"] == prompt
     return rows, prompt
 
 

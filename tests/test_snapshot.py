@@ -89,6 +89,40 @@ def test_derived_runs_share_the_snapshots_attention_statistics(llama, chat_token
     assert _layers_equal(second, cache)
 
 
+@pytest.mark.parametrize("name", ["kvzip", "kvzip+", "kvgrad"])
+def test_derived_runs_reconstruct_each_row_once(name, llama, chat_tokenizer, monkeypatch):
+    """The KVzip family's reconstruction passes run once per snapshot row, not once per budget: a
+    second budget's cache equals its own layer-wise run, and it still reports the passes' time."""
+    prompts = [build_prompt(chat_tokenizer, c, q) for c, q in zip(CONTEXTS, QUESTIONS, strict=True)]
+    snapshot = take_snapshot(llama, prefill_inputs(prompts, chat_tokenizer.pad_token_id),
+                             attention_inputs=small(name).wants_attention_inputs)  # fmt: skip
+    calls = {"n": 0}
+    family = type(small(name))
+    original = family.replay
+
+    def counting(self, *args):
+        calls["n"] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(family, "replay", counting)
+    eos = eos_ids(llama, chat_tokenizer)
+    first, *_ = derive(llama, snapshot, small(name), budget=20, eos=eos)
+    once = calls["n"]
+    second, logits, mask, last_pos = derive(llama, snapshot, small(name), budget=30, eos=eos)
+    assert once >= 2 and calls["n"] == once  # both rows (two chunks each) scored by the first run only
+    passes = sum(known[2] for known in snapshot.lookahead_memo.values())
+    assert second.session.lookahead_seconds >= passes > 0
+    assert second.session.compress_seconds >= second.session.lookahead_seconds
+    alone = kvbudget.generate(llama, chat_tokenizer, CONTEXTS, QUESTIONS, method=small(name), budget=30,
+                              max_new_tokens=6, return_cache=True)  # fmt: skip
+    assert calls["n"] > once  # the layer-wise run scored on its own
+    assert torch.equal(second.session.kept, torch.stack([r.budgets for r in alone]))
+    assert not torch.equal(first.session.kept, second.session.kept)
+    decoded = decode_loop(llama, second, logits, mask, last_pos, eos, 6)
+    assert decoded.generated == [r.token_ids for r in alone]
+    assert _layers_equal(second, alone[0].cache)
+
+
 @pytest.mark.parametrize("agnostic", [False, True])
 @pytest.mark.parametrize("name", [m for m in ALL_METHODS if m not in PRUNE_METHODS])
 def test_derived_cache_equals_layer_wise_compression(name, agnostic, llama, chat_tokenizer):

@@ -106,6 +106,10 @@ class CompressionSession:
             one snapshot. ``None`` (the default): each observation starts empty.
         prompt_ids: ``[b, T]`` token ids of the compressed part (left-padded), set by the engine
             right before a lookahead method's ``run_lookahead`` (KVzip feeds the context again).
+        lookahead_memo: what a lookahead method computed from the uncompressed cache that does
+            not depend on the budget (KVzip's reconstruction scores, keyed by method and row),
+            shared by the runs :func:`kvbudget.prefill.derived.derive` makes from one snapshot.
+            ``None`` (the default): nothing is shared.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class CompressionSession:
         self.scaling: float | None = None
         self.observation_memos: dict[int, dict] | None = None
         self.prompt_ids: torch.Tensor | None = None
+        self.lookahead_memo: dict | None = None
         self.attention_inputs: dict[int, torch.Tensor] = {}
 
     def bind(self, model: Any) -> None:

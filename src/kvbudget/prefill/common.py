@@ -64,6 +64,7 @@ class Snapshot:
         hidden: per layer, its output hidden states ``[b, n, hidden]`` (with ``hidden_states=True``
             only: prune-stage methods derive from them).
         memos: per layer, the prefill observation memo shared by every derived run.
+        lookahead_memo: what lookahead methods share across derived runs (KVzip's scores).
         attention_inputs: per layer, the attention module's input ``[b, n, hidden]`` (with
             ``attention_inputs=True`` only: methods that score from it, KVzap, derive from them).
     """
@@ -76,6 +77,7 @@ class Snapshot:
     seconds: float
     hidden: list[torch.Tensor] | None = None
     memos: dict[int, dict] = field(default_factory=dict)
+    lookahead_memo: dict = field(default_factory=dict)
     attention_inputs: dict[int, torch.Tensor] | None = None
 
     @property

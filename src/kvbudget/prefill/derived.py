@@ -15,7 +15,8 @@ kept tokens (:func:`kvbudget.prefill.pruned.derive_pruned`); a method that never
 
 Derived runs share the snapshot's per-layer observation memo (window probabilities, attention
 column sums): they observe the same queries and uncompressed layers, so each is computed once per
-snapshot instead of once per (method, budget).
+snapshot instead of once per (method, budget); so do KVzip's reconstruction scores (its passes
+read the full cache, whatever the budget), each run still counting the pass's time.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def derive(
     num_layers = model.config.num_hidden_layers
     session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model)
     session.observation_memos = snapshot.memos
+    session.lookahead_memo = snapshot.lookahead_memo
     if "prune" in method.stages:
         if snapshot.hidden is None:
             raise KVBudgetError(

@@ -343,3 +343,35 @@ def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
     lines = summary.summary_table([("agnostic", rows)])
     assert "| agnostic | 0.875 | a 50.0 | no press finished here yet | – | 2 |" in lines
     assert "| agnostic | 0.75 | not run yet | no press finished here yet | – | – |" in lines
+
+
+def test_the_1_5b_check_judges_each_family_once_every_core_task_has_its_10_samples():
+    """The check's families read its own rows (10 samples a task): LAVa ahead of every baseline on
+    all six core tasks is reproduced; with one task missing for a baseline, the comparison is not
+    run and the family pending (no verdict from a part); the machine time sums the rows' gaps and
+    leaves out a pause over 10 minutes."""
+    tables = _load()
+
+    def rows_of(label: str, score: float, tasks) -> list[dict]:
+        return [{"label": label, "task": t, "length": 4096, "sample": i, "compression_ratio": 0.875,
+                 "score": score, "time": "2026-11-29T10:00:00"}
+                for t in tasks for i in range(10)]  # fmt: skip
+
+    core = tables.CORE
+    baselines = ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+    rows = rows_of("lava", 1.0, core) + [r for b in baselines for r in rows_of(b, 0.0, core)]
+    lines = tables.check_block(rows)
+    lava = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert lava[:3] == ["LAVa", "r = 0.875, 6 core tasks", "lava − snapkv"]
+    assert lava[5] == "6" and lava[8] == "**reproduced**"
+    asl = next(line for line in lines if line.startswith("| ASL"))
+    assert "**pending (not run)**" in asl
+    partial = [r for r in rows if not (r["label"] == "cake" and r["task"] == "lcc")]
+    lava = [c.strip() for c in tables.check_block(partial)[2].strip("|").split("|")]
+    assert lava[8] == "**pending (not run)**"
+    cake = next(line for line in tables.check_block(partial) if "lava − cake" in line)
+    assert "not run" in cake
+    stamps = [{"time": t} for t in ("2026-11-29T10:00:00", "2026-11-29T10:05:00", "2026-11-29T11:00:00",
+                                     "2026-11-29T11:02:00")]  # fmt: skip
+    assert tables.machine_time(stamps) == 7 * 60
+    assert lines[-1].startswith(f"{len(rows)} rows (")

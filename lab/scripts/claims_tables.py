@@ -26,6 +26,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from kvbudget.errors import KVBudgetError
@@ -293,7 +294,8 @@ class Comparison:
 
     ``direction``: +1 where the claim says ``a`` scores higher, −1 where lower. ``a_ratio``: take
     ``a``'s rows at this compression ratio instead of ``column``'s (a comparison at equal memory,
-    where ``b`` holds more than its budget)."""
+    where ``b`` holds more than its budget). ``every_task``: not measured (``None``) until every task
+    of ``tasks`` is finished (a check whose verdict needs them all)."""
 
     a: str
     b: str
@@ -303,6 +305,7 @@ class Comparison:
     tasks: tuple[str, ...] | None = None
     min_samples: int = MIN_SAMPLES
     a_ratio: float | None = None
+    every_task: bool = False  # measured only once every task of ``tasks`` is finished
 
     @property
     def a_label(self) -> str:
@@ -352,7 +355,7 @@ class Family:
 #: Tasks of the RULER family among the leaderboard's (rows' ``family`` = "ruler").
 RULER_FAMILY = "ruler"
 #: Scale and decimals of each row source's scores in the verdicts table (×100 scores, KL as is).
-SOURCE_FORMAT = {"leaderboard": (100.0, 1), "d2o-longgen-kl": (1.0, 3)}
+SOURCE_FORMAT = {"leaderboard": (100.0, 1), "d2o-longgen-kl": (1.0, 3), "check-1.5b": (100.0, 1)}
 AT_0875 = ("r", 0.875)
 #: the profile BaKlaVa's tuned rows ran with (its ``tuned`` block: Algorithm 3 on perplexity)
 BAKLAVA_PROFILE = "lab/results/claims-baklava/profile.json"
@@ -418,6 +421,52 @@ FAMILIES = (
 )  # fmt: skip
 
 
+#: The 1.5B check (docs/claims.md, pending run 5): the rows' folder, their samples a task.
+CHECK_SOURCE, CHECK_SAMPLES = "check-1.5b", 10
+
+
+def _checked(a: str, b: str, tasks: tuple[str, ...] = CORE) -> Comparison:
+    return Comparison(
+        a, b, AT_0875, source=CHECK_SOURCE, tasks=tasks, min_samples=CHECK_SAMPLES, every_task=True
+    )
+
+
+#: The families at 3× the model and 2× the length (qwen2.5-coder-1.5b at 4K tokens), question-aware,
+#: r = 0.875, the core tasks: every comparison of the 0.5B's families its run holds (the baselines at
+#: their own defaults; PyramidInfer and D2O's gsm8k family cut for compute).
+CHECK_FAMILIES = (
+    Family("LAVa", "r = 0.875, 6 core tasks",
+           tuple(_checked("lava", b) for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv",
+                                               "cake"))),
+    Family("ASL", "r = 0.875, 6 core tasks", (_checked("asl", "fastkv"), _checked("asl", "gemfilter"))),
+    Family("BaKlaVa", "r = 0.875, 6 core tasks; BaKlaVa untuned",
+           (_checked("baklava", "streamingllm"), _checked("baklava", "squeezeattention"))),
+    Family("Lookahead Q-Cache", "r = 0.875, lcc",
+           tuple(_checked(a, "snapkv", ("lcc",)) for a in ("laq", "laq++"))),
+)  # fmt: skip
+
+#: Row timestamps further apart than this are a pause (a stopped queue, a session's end), not work.
+PAUSE_S = 600.0
+
+
+def machine_time(rows: list[dict]) -> float:
+    """Seconds of work behind ``rows``: the sum of the gaps between consecutive rows' timestamps,
+    gaps over :data:`PAUSE_S` left out."""
+    stamps = sorted(datetime.fromisoformat(r["time"]).timestamp() for r in rows if r.get("time"))
+    return sum(b - a for a, b in zip(stamps, stamps[1:], strict=False) if b - a <= PAUSE_S)
+
+
+def check_block(rows: list[dict]) -> list[str]:
+    """The 1.5B check: :data:`CHECK_FAMILIES`' verdicts by the rule, and the machine time of its rows."""
+    lines = verdicts_table({CHECK_SOURCE: rows}, CHECK_FAMILIES)
+    done = sorted({r["task"] for r in rows})
+    hours, minutes = divmod(round(machine_time(rows) / 60), 60)
+    lines += ["", f"{len(rows)} rows ({', '.join(done) or 'none yet'}): {hours} h {minutes:02d} min of "
+              "this 2-core CPU (from the first row's timestamp to the last, pauses over 10 minutes left "
+              "out; the model's load and the first prefill come before the first row)."]  # fmt: skip
+    return lines
+
+
 def _measure(sources: dict[str, list[dict]], c: Comparison) -> PairedDifference | None:
     """``c`` measured on its source's rows (``None`` until both sides finished a task)."""
     rows = sources.get(c.source, [])
@@ -425,7 +474,10 @@ def _measure(sources: dict[str, list[dict]], c: Comparison) -> PairedDifference 
         moved = [{**r, "label": c.a_label, "compression_ratio": c.column[1]} for r in rows
                  if r["label"] == c.a and row_column(r) == ("r", c.a_ratio)]  # fmt: skip
         rows = moved + [r for r in rows if r["label"] == c.b]
-    return _try(rows, c.a_label, c.b, c.column, list(c.tasks) if c.tasks else None, c.min_samples)
+    found = _try(rows, c.a_label, c.b, c.column, list(c.tasks) if c.tasks else None, c.min_samples)
+    if found is not None and c.every_task and c.tasks and not set(c.tasks) <= set(found.tasks):
+        return None
+    return found
 
 
 def _p(p: float) -> str:
@@ -569,6 +621,10 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
         sources["d2o-longgen-kl"] = kl_rows(load_rows(args.d2o_longgen / "results.jsonl"))
         out["d2o-longgen"] = d2o_longgen(sources["d2o-longgen-kl"])
     out["verdicts"] = verdicts_table(sources)
+    if has_results(args.check):
+        out["check-1.5b"] = check_block(
+            [r for r in load_rows(args.check / "results.jsonl") if r.get("error") is None]
+        )
     out.update(agnostic_blocks(args.agnostic, rows))
     return out
 
@@ -908,6 +964,7 @@ def main() -> None:
     parser.add_argument("--agnostic", type=Path, default=Path("lab/results/leaderboard-agnostic"))
     parser.add_argument("--ea-floor", type=Path, default=Path("lab/results/ea-kvpress"))
     parser.add_argument("--d2o-longgen", type=Path, default=Path("lab/results/claims-d2o-longgen"))
+    parser.add_argument("--check", type=Path, default=Path("lab/results/check-1.5b"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard-analysis.md)",

@@ -46,6 +46,9 @@ A job with ``"seed"`` seeds torch's global generator with it right before the pr
 sketches) then draw the same numbers in every run, and kvbudget's ``leverage`` and ``compactor`` with
 that ``seed`` draw them too.
 
+A bf16 model on a CPU without a native bf16 GEMM multiplies its linear layers through fp32, as
+kvbudget's ``load_model`` does there (:func:`match_bf16_matmul`), so both libraries compute alike.
+
 ``--indices`` instead prefills each sample's context once with the press and once without, and
 writes, per layer and KV head, the positions the press kept (found by matching the kept keys
 against the full cache's, or from AdaKV's masked indices) — the oracle test compares them with
@@ -65,6 +68,46 @@ import time
 from collections.abc import Callable
 
 import torch
+
+#: the fewest rows a bf16 linear layer's input needs to multiply through fp32 (kvbudget.cpu_matmul's rule)
+FP32_MATMUL_MIN_ROWS = 32
+
+
+class Fp32MatmulLinear(torch.nn.Linear):
+    """A bf16 linear layer on a CPU without a native bf16 GEMM, computed as kvbudget's side computes
+    it (:mod:`kvbudget.cpu_matmul`, not importable here): fp32 products of the bf16 operands,
+    rounded to bf16, for inputs of at least ``FP32_MATMUL_MIN_ROWS`` rows; else the layer's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype is torch.bfloat16
+            and self.weight.dtype is torch.bfloat16
+            and x.device.type == "cpu"
+            and x.numel() >= FP32_MATMUL_MIN_ROWS * self.in_features
+        ):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
+        return super().forward(x)
+
+
+def match_bf16_matmul(model) -> int:
+    """kvbudget's ``load_model(bf16_matmul="auto")`` on kvpress's model: a bf16 model on a CPU whose
+    oneDNN has no bf16 GEMM gets :class:`Fp32MatmulLinear` layers (in place); returns how many."""
+    param = next(model.parameters())
+    if param.dtype is not torch.bfloat16 or param.device.type != "cpu":
+        return 0
+    try:
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return 0
+    except (AttributeError, RuntimeError):
+        if torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "SVE")):
+            return 0
+    switched = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = Fp32MatmulLinear
+            switched += 1
+    return switched
 
 
 def make_press(job: dict, k_len: int):
@@ -355,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), local_files_only=True
     ).eval()
+    match_bf16_matmul(model)
     config = model.config
     if getattr(config, "head_dim", None) is None:  # Qwen2's config leaves it out (its attention computes
         config.head_dim = config.hidden_size // config.num_attention_heads  # it so); CriticalKV reads it

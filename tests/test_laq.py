@@ -603,8 +603,10 @@ def test_query_head_laq_end_to_end_matches_the_authors_selection(kind, monkeypat
             keys, values, pos = layer.head(qh)
             held = pos[0].tolist()
             assert held == sorted(set(held)) and expected[qh].admits(set(held)), (i, qh, held)
-            torch.testing.assert_close(keys[0], k[0, qh // g, held])
-            torch.testing.assert_close(values[0], v[0, qh // g, held])
+            # the prompt's keys and values come from another forward (the reference attention), whose
+            # float noise reaches ~1e-5 in the deeper layers (an AVX2 CPU's fp32 kernels, here)
+            torch.testing.assert_close(keys[0], k[0, qh // g, held], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(values[0], v[0, qh // g, held], atol=1e-4, rtol=1e-4)
     assert tells_apart, "the kv-head (group-averaged) selection is not told apart by this fixture"
     # 4. accounting: g·B entries per KV group; the kv-head default holds B
     stats = cache.stats()

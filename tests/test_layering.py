@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvbudget.units",
             "kvbudget.architectures",
             "kvbudget.extras",
+            "kvbudget.cpu_matmul",
         ],
     ),
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),

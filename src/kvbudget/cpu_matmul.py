@@ -77,11 +77,16 @@ def use_fp32_matmul(model: nn.Module) -> int:
     return switched
 
 
+def check_bf16_matmul(mode: str) -> None:
+    """Refuse a ``bf16_matmul`` outside :data:`BF16_MATMUL_MODES` in one line."""
+    if mode not in BF16_MATMUL_MODES:
+        raise InputError(f"bf16_matmul must be one of {', '.join(BF16_MATMUL_MODES)}, got {mode!r}")
+
+
 def apply_bf16_matmul(model: nn.Module, mode: str) -> int:
     """``load_model``'s step: switch ``model``'s linear layers when ``mode`` asks (``fp32``) or when
     ``auto`` and the model is bf16 on a CPU without :func:`native_bf16_matmul`; returns how many."""
-    if mode not in BF16_MATMUL_MODES:
-        raise InputError(f"bf16_matmul must be one of {', '.join(BF16_MATMUL_MODES)}, got {mode!r}")
+    check_bf16_matmul(mode)
     if mode == "native":
         return 0
     if mode == "auto":

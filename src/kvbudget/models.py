@@ -35,7 +35,7 @@ from kvbudget.artifacts import publish as _publish
 from kvbudget.artifacts import remove_stale_staging as _remove_stale_staging
 from kvbudget.artifacts import staging_dir as _staging_dir
 from kvbudget.artifacts import verify_sha256 as _verify_sha256
-from kvbudget.errors import ArtifactError, InputError, KVBudgetError, UnsupportedModelError
+from kvbudget.errors import ArtifactError, KVBudgetError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch
@@ -699,12 +699,11 @@ def load_model(
     :data:`~kvbudget.architectures.SUPPORTED_MODEL_TYPES`, and :class:`KVBudgetError` for anything
     else unusable.
     """
-    from kvbudget.cpu_matmul import BF16_MATMUL_MODES, apply_bf16_matmul
+    from kvbudget.cpu_matmul import apply_bf16_matmul, check_bf16_matmul
 
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
-    if bf16_matmul not in BF16_MATMUL_MODES:
-        raise InputError(f"bf16_matmul must be one of {', '.join(BF16_MATMUL_MODES)}, got {bf16_matmul!r}")
+    check_bf16_matmul(bf16_matmul)  # before any file is read
     source = resolve_source(name_or_path)
     _check_model_type(_local_model_type(source), source=str(name_or_path))
 

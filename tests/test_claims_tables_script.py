@@ -358,18 +358,22 @@ def test_the_1_5b_check_judges_each_family_once_every_core_task_has_its_10_sampl
                 for t in tasks for i in range(10)]  # fmt: skip
 
     core = tables.CORE
-    baselines = ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+    baselines = ("snapkv@lava", "ada-snapkv@lava", "pyramidkv@lava", "ada-pyramidkv@lava", "cake@lava")
     rows = rows_of("lava", 1.0, core) + [r for b in baselines for r in rows_of(b, 0.0, core)]
     lines = tables.check_block(rows)
     lava = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert lava[:3] == ["LAVa", "r = 0.875, 6 core tasks", "lava − snapkv"]
+    assert lava[:3] == [
+        "LAVa",
+        "r = 0.875, 6 core tasks, the baselines at LAVa's App. D settings (`@lava`)",
+        "lava − snapkv@lava",
+    ]
     assert lava[5] == "6" and lava[8] == "**reproduced**"
     asl = next(line for line in lines if line.startswith("| ASL"))
     assert "**pending (not run)**" in asl
-    partial = [r for r in rows if not (r["label"] == "cake" and r["task"] == "lcc")]
+    partial = [r for r in rows if not (r["label"] == "cake@lava" and r["task"] == "lcc")]
     lava = [c.strip() for c in tables.check_block(partial)[2].strip("|").split("|")]
     assert lava[8] == "**pending (not run)**"
-    cake = next(line for line in tables.check_block(partial) if "lava − cake" in line)
+    cake = next(line for line in tables.check_block(partial) if "lava − cake@lava" in line)
     assert "not run" in cake
     stamps = [{"time": t} for t in ("2026-11-29T10:00:00", "2026-11-29T10:05:00", "2026-11-29T11:00:00",
                                      "2026-11-29T11:02:00")]  # fmt: skip

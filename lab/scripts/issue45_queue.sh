@@ -57,7 +57,7 @@ step "agnostic, every ratio: top and 2026 methods" $RUN lab/results/leaderboard-
 step "fetch the 1.5B" $KVB fetch model qwen2.5-coder-1.5b
 step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks $CORE \
   --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \
-  --methods full,snapkv,ada-snapkv,pyramidkv,ada-pyramidkv,cake,lava,asl,fastkv,gemfilter,baklava,streamingllm,squeezeattention,laq,laq++
+  --methods full,snapkv,lava,snapkv@lava,ada-snapkv@lava,pyramidkv@lava,ada-pyramidkv@lava,cake@lava,asl,fastkv@asl,gemfilter@asl,baklava,streamingllm,squeezeattention,laq,laq++
 
 # 6. KVzap by threshold (adaptive), and the screen's best kvpress presses, question-agnostic r = 0.5.
 ensure_kvzap

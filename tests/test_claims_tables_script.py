@@ -343,6 +343,7 @@ def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
     lines = summary.summary_table([("agnostic", rows)])
     assert "| agnostic | 0.875 | a 50.0 | no press finished here yet | – | 2 |" in lines
     assert "| agnostic | 0.75 | not run yet | no press finished here yet | – | – |" in lines
+    assert "| agnostic | 0.5 | not run yet | kvpress:x 20.0 | – | 1 |" in lines  # kvpress's side alone
 
 
 def test_the_1_5b_check_judges_each_family_once_every_core_task_has_its_10_samples():

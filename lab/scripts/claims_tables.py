@@ -881,14 +881,16 @@ def held_to_budget(label: str) -> bool:
     return label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
 
 
-def best_alone(rows: list[dict], ratio: float) -> tuple[str, int] | None:
-    """kvbudget's best method held to the budget at ``ratio``, for a ratio where no kvpress press
-    finished a task: its cell and the number of tasks, on the widest task set a method finished
-    (every method that finished it competes); ``None`` when none did."""
+def best_alone(rows: list[dict], ratio: float, peers: bool = False) -> tuple[str, int] | None:
+    """kvbudget's best method held to the budget at ``ratio`` (kvpress's best press with ``peers``),
+    for a ratio where the other side finished no task: its cell and the number of tasks, on the
+    widest task set a method finished (every method that finished it competes); ``None`` when none
+    did."""
     column = ("r", ratio)
     mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
+    side = (lambda label: label.startswith(PEER_PREFIX)) if peers else held_to_budget
     complete = {label: done for label, done in _complete_tasks(mine, column).items()
-                if held_to_budget(label) and done}  # fmt: skip
+                if side(label) and done}  # fmt: skip
     if not complete:
         return None
     tasks = max(complete.values(), key=lambda done: (len(done), sorted(done)))

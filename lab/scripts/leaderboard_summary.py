@@ -49,9 +49,12 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         for ratio in RATIOS:
             pair = ct.best_pair(rows, ratio)
             if pair is None:
-                alone = ct.best_alone(rows, ratio)
+                alone, peer = ct.best_alone(rows, ratio), ct.best_alone(rows, ratio, peers=True)
                 ours, tasks = alone if alone else ("not run yet", "–")
-                lines.append(f"| {track} | {ratio:g} | {ours} | no press finished here yet | – | {tasks} |")
+                theirs = "no press finished here yet"
+                if peer and not alone:
+                    (theirs, tasks), ours = peer, "not run yet"
+                lines.append(f"| {track} | {ratio:g} | {ours} | {theirs} | – | {tasks} |")
                 continue
             ours, peer = pair.cells()
             lines.append(

@@ -362,17 +362,20 @@ BAKLAVA_PROFILE = "lab/results/claims-baklava/profile.json"
 #: the leaderboard's core tasks: where the runs that replace stand-ins were cut to (compute)
 CORE = tuple(LEADERBOARD_CORE_TASKS)
 
+#: the baselines LAVa's claim names (Table 2)
+LAVA_BASELINES = ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+
 FAMILIES = (
     Family(
         "LAVa", "r = 0.875, 13 tasks (the smallest budget, where the claim puts its largest margin)",
         tuple(
             Comparison("lava", b, AT_0875)
-            for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+            for b in LAVA_BASELINES
         ),
         pending="the baselines at LAVa's App. D settings (`@lava`)",
         final=tuple(
             Comparison("lava", f"{b}@lava", AT_0875, tasks=CORE)
-            for b in ("snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake")
+            for b in LAVA_BASELINES
         ),
         final_setting="r = 0.875, the 6 core tasks, the baselines at LAVa's App. D settings (`@lava`)",
     ),
@@ -437,8 +440,7 @@ def _checked(a: str, b: str, tasks: tuple[str, ...] = CORE) -> Comparison:
 #: for the 1.5B is cut for compute) and PyramidInfer and D2O's gsm8k family cut.
 CHECK_FAMILIES = (
     Family("LAVa", "r = 0.875, 6 core tasks, the baselines at LAVa's App. D settings (`@lava`)",
-           tuple(_checked("lava", f"{b}@lava") for b in ("snapkv", "ada-snapkv", "pyramidkv",
-                                                         "ada-pyramidkv", "cake"))),
+           tuple(_checked("lava", f"{b}@lava") for b in LAVA_BASELINES)),
     Family("ASL", "r = 0.875, 6 core tasks, FastKV and GemFilter at ASL's settings",
            (_checked("asl", "fastkv@asl"), _checked("asl", "gemfilter@asl"))),
     Family("BaKlaVa", "r = 0.875, 6 core tasks; BaKlaVa untuned",
@@ -560,8 +562,7 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
     if has_results(args.dtype_check):
         out["dtype"] = dtype_table(load_rows(args.dtype_check / "results.jsonl"))
 
-    base = ["snapkv", "ada-snapkv", "pyramidkv", "ada-pyramidkv", "cake"]
-    out["lava-baselines"] = pairs_table(rows, [("lava", b) for b in base])
+    out["lava-baselines"] = pairs_table(rows, [("lava", b) for b in LAVA_BASELINES])
     ablations = [("lava", b) for b in ("lava-uniform", "lava-nohead", "lava-pyramid")]
     ablations += [("lava-pyramid", "lava-uniform")]  # the paper's Table 9 pair
     out["lava-ablations"] = pairs_table(rows, ablations)

@@ -49,11 +49,12 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         for ratio in RATIOS:
             pair = ct.best_pair(rows, ratio)
             if pair is None:
-                alone, peer = ct.best_alone(rows, ratio), ct.best_alone(rows, ratio, peers=True)
-                ours, tasks = alone if alone else ("not run yet", "–")
-                theirs = "no press finished here yet"
-                if peer and not alone:
-                    (theirs, tasks), ours = peer, "not run yet"
+                # one side alone (kvbudget's first): the other has not finished a task here
+                alone = ct.best_alone(rows, ratio)
+                peer = None if alone else ct.best_alone(rows, ratio, peers=True)
+                ours = alone[0] if alone else "not run yet"
+                theirs = peer[0] if peer else "no press finished here yet"
+                tasks = (alone or peer or (None, "–"))[1]
                 lines.append(f"| {track} | {ratio:g} | {ours} | {theirs} | – | {tasks} |")
                 continue
             ours, peer = pair.cells()

@@ -39,11 +39,10 @@ step "kvpress agnostic, other ratios" $RUN lab/results/leaderboard-agnostic --ag
 step "kvpress keydiff agnostic 0.25" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.25 --tasks $CORE --peer-presses keydiff
 
-# 3. kvpress's ChunkKV in both tracks.
+# 3. kvpress's ChunkKV question-agnostic (question-aware after step 4: the priorities put the
+#    question-agnostic track at every ratio first).
 step "kvpress chunkkv agnostic 0.5" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.5 --tasks $CORE --peer-presses chunkkv
-step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
-  --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
 
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
 #    The steps that use KVzap train its surrogates for the 0.5B first (24 min here) unless this
@@ -52,6 +51,10 @@ ensure_kvzap
 step "agnostic, every ratio: top and 2026 methods" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE \
   --methods "kvzip,expected-attention,random,kvzip+,kvzap,kvzap:kind=linear,leverage,compactor"
+
+# 4b. kvpress's ChunkKV question-aware.
+step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
+  --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
 
 # 5. The 1.5B check (docs/claims.md, run 5; about 3 hours).
 step "fetch the 1.5B" $KVB fetch model qwen2.5-coder-1.5b

@@ -380,3 +380,41 @@ def test_the_1_5b_check_judges_each_family_once_every_core_task_has_its_10_sampl
                                      "2026-11-29T11:02:00")]  # fmt: skip
     assert tables.machine_time(stamps) == 7 * 60
     assert lines[-1].startswith(f"{len(rows)} rows (")
+
+
+def test_the_kvzap_goal_lines_pair_kvzap_with_kvzip_plus_and_share_of_kvzips_added_time(tmp_path):
+    """lab/scripts/agnostic_cost_plot.py, issue #48's goal: per ratio, kvzap − kvzip+ over the six
+    core tasks (level when the interval holds 0, pending with a task short); KVzap's added TTFT over
+    the uncompressed prefill as a share of KVzip's; the threshold rows' removed share read from
+    their per-head budgets."""
+    _load()
+    path = SCRIPT.with_name("agnostic_cost_plot.py")
+    spec = importlib.util.spec_from_file_location("agnostic_cost_plot", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+
+    def rows_of(label, ratio, score_of, tasks=cost.CORE, **extra):
+        return [{"label": label, "task": t, "length": 2048, "sample": i, "compression_ratio": ratio,
+                 "score": score_of(i), **extra} for t in tasks for i in range(20)]  # fmt: skip
+
+    rows = rows_of("kvzip+", 0.5, lambda i: float(i % 2)) + rows_of("kvzap", 0.5, lambda i: float(i % 2 == 0))
+    rows += rows_of("kvzip+", 0.875, lambda i: 1.0) + rows_of("kvzap", 0.875, lambda i: float(i < 4))
+    rows += rows_of("kvzip+", 0.75, lambda i: 1.0) + rows_of("kvzap", 0.75, lambda i: 1.0, cost.CORE[:-1])
+    # a 1,000-token context at r = 0.5 (budget 500); the threshold kept 250 and 350 per head: 70% removed
+    rows += rows_of(cost.THRESHOLD_LABEL, 0.5, lambda i: 1.0, budget=500, budgets=[[250, 350], [300, 300]])
+    lines = cost.goal_lines(rows, None)
+    by_ratio = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| 0.")}
+    assert by_ratio["0.5"].endswith("| 6 | yes |")  # 50% each on other samples: the interval holds 0
+    assert by_ratio["0.875"].endswith("| 6 | no |") and "-80.0" in by_ratio["0.875"]
+    assert by_ratio["0.75"].endswith("| 5 of 6 | pending |")
+    assert "removed 70.0% of the context on average (70.0–70.0%" in lines[-1] and "scores 100.0" in lines[-1]
+
+    ours = [{"method": m, "prefill_s": s} for m, s in (("full", 10.0), ("full", 12.0), ("kvzip", 31.0),
+                                                       ("kvzap", 12.0), ("kvzap", 13.0))]  # fmt: skip
+    (tmp_path / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    added = cost.added_ttft(tmp_path)
+    assert added == {"full": 11.0, "kvzip": 20.0, "kvzap": pytest.approx(1.5)}
+    line = next(x for x in cost.goal_lines(rows, added) if x.startswith("KVzap adds"))
+    assert "8% of KVzip's added time (goal ≤ 10%: met)" in line
+    (tmp_path / "ours.jsonl").write_text(json.dumps({"method": "kvzip", "prefill_s": 1.0}) + "\n")
+    assert cost.added_ttft(tmp_path) is None  # no uncompressed prefill to subtract

@@ -650,7 +650,7 @@ SAME_METHOD_PAIRS = [
         ("tova", "tova"), ("observed_attention", "observed-attention"), ("streaming_llm", "streamingllm"),
         ("snapkv", "snapkv"), ("adakv_snapkv", "ada-snapkv"), ("pyramidkv", "pyramidkv"),
         ("compactor", "compactor"), ("snapkv@paper", "snapkv"), ("adakv_snapkv@paper", "ada-snapkv"),
-        ("pyramidkv@paper", "pyramidkv"),
+        ("pyramidkv@paper", "pyramidkv"), ("chunkkv", "chunkkv"),
     ]
 ]  # fmt: skip
 

@@ -326,7 +326,8 @@ def test_the_cost_plot_pairs_each_score_with_its_median_time(tmp_path):
 def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
     """lab/scripts/leaderboard_summary.py: at a ratio where kvpress finished nothing, the line gives
     kvbudget's best on the widest task set a method finished (a method with fewer tasks does not
-    compete, the full cache never does) and says no press finished; a ratio nobody ran says so."""
+    compete, the full cache never does) and says no press finished; a ratio nobody ran says so; where
+    both sides ran but on different tasks, each side's best on its own, with both task counts."""
     tables = _load()  # the summary script imports claims_tables as a sibling
     path = SCRIPT.with_name("leaderboard_summary.py")
     spec = importlib.util.spec_from_file_location("leaderboard_summary", path)
@@ -344,6 +345,10 @@ def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
     assert "| agnostic | 0.875 | a 50.0 | no press finished here yet | – | 2 |" in lines
     assert "| agnostic | 0.75 | not run yet | no press finished here yet | – | – |" in lines
     assert "| agnostic | 0.5 | not run yet | kvpress:x 20.0 | – | 1 |" in lines  # kvpress's side alone
+    # kvpress finished t1 and t2 at 0.25, kvbudget t3 only: each best on its own tasks, no difference
+    rows += rows_of("kvpress:x", 0.4, ("t1", "t2"), 0.25) + rows_of("a", 0.7, ("t3",), 0.25)
+    lines = summary.summary_table([("agnostic", rows)])
+    assert "| agnostic | 0.25 | a 70.0 | kvpress:x 40.0 | – | 1 (kvbudget) / 2 (kvpress) |" in lines
 
 
 def test_the_1_5b_check_judges_each_family_once_every_core_task_has_its_10_samples():

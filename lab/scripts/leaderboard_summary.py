@@ -38,8 +38,8 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
-    """One line per track and ratio; where no kvpress press finished a task at a ratio, kvbudget's best
-    alone (or "not run yet")."""
+    """One line per track and ratio; where the two sides finished no task set in common at a ratio,
+    each side's best on its own tasks (or "not run yet") and no difference."""
     lines = [
         "| track | r | kvbudget's best (held to the budget) | kvpress's best "
         "| kvbudget − kvpress [95% CI] | tasks |",
@@ -49,12 +49,14 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         for ratio in RATIOS:
             pair = ct.best_pair(rows, ratio)
             if pair is None:
-                # one side alone (kvbudget's first): the other has not finished a task here
-                alone = ct.best_alone(rows, ratio)
-                peer = None if alone else ct.best_alone(rows, ratio, peers=True)
+                # no task both sides finished: each side's best on its own widest task set
+                alone, peer = ct.best_alone(rows, ratio), ct.best_alone(rows, ratio, peers=True)
                 ours = alone[0] if alone else "not run yet"
                 theirs = peer[0] if peer else "no press finished here yet"
-                tasks = (alone or peer or (None, "–"))[1]
+                if alone and peer:  # different task sets: no difference, each count named
+                    tasks = f"{alone[1]} (kvbudget) / {peer[1]} (kvpress)"
+                else:
+                    tasks = str((alone or peer or (None, "–"))[1])
                 lines.append(f"| {track} | {ratio:g} | {ours} | {theirs} | – | {tasks} |")
                 continue
             ours, peer = pair.cells()

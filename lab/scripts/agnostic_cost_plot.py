@@ -52,20 +52,23 @@ def scores(rows: list[dict], ratio: float) -> dict[str, float]:
     }
 
 
+def _medians(path: Path) -> dict[str, float]:
+    """Median ``prefill_s`` per bench peer method name in one side's rows (error rows left out)."""
+    by_method: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("error") is None:
+            by_method.setdefault(row["method"], []).append(row["prefill_s"])
+    return {method: statistics.median(values) for method, values in by_method.items()}
+
+
 def ttfts(peer: Path) -> dict[str, float]:
     """Median ``prefill_s`` per leaderboard label, from bench peer's ``ours.jsonl`` / ``kvpress.jsonl``."""
     out = {}
     for side, index in (("ours", 0), ("kvpress", 1)):
         path = peer / f"{side}.jsonl"
-        if not path.is_file():
-            continue
-        by_method: dict[str, list[float]] = {}
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get("error") is None and row["method"] in LABELS:
-                by_method.setdefault(row["method"], []).append(row["prefill_s"])
-        for method, values in by_method.items():
-            out[LABELS[method][index]] = statistics.median(values)
+        if path.is_file():
+            out |= {LABELS[m][index]: t for m, t in _medians(path).items() if m in LABELS}
     return out
 
 
@@ -114,17 +117,11 @@ def added_ttft(peer: Path) -> dict[str, float] | None:
     """Seconds each of kvbudget's methods adds to the uncompressed prefill (the medians of one bench
     peer folder's ``ours.jsonl``, which must hold ``full``, ``kvzip`` and ``kvzap``), else ``None``."""
     path = peer / "ours.jsonl"
-    if not path.is_file():
+    medians = _medians(path) if path.is_file() else {}
+    if not {"full", "kvzip", "kvzap"} <= set(medians):
         return None
-    by_method: dict[str, list[float]] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("error") is None:
-            by_method.setdefault(row["method"], []).append(row["prefill_s"])
-    if not {"full", "kvzip", "kvzap"} <= set(by_method):
-        return None
-    base = statistics.median(by_method["full"])
-    return {m: statistics.median(v) - base for m, v in by_method.items() if m != "full"} | {"full": base}
+    base = medians.pop("full")
+    return {m: t - base for m, t in medians.items()} | {"full": base}
 
 
 def reached_ratio(row: dict) -> float:
@@ -146,7 +143,7 @@ def goal_lines(rows: list[dict], added: dict[str, float] | None) -> list[str]:
             done = len(pair.tasks) if pair else 0
             lines.append(f"| {ratio:g} | – | {done} of {len(CORE)} | pending |")
             continue
-        level = "yes" if pair.difference.low <= 0 <= pair.difference.high else "no"
+        level = "yes" if pair.verdict == "no clear difference" else "no"
         lines.append(f"| {ratio:g} | {ct._cell(pair)} | {len(CORE)} | {level} |")
     if added is not None:
         share = added["kvzap"] / added["kvzip"]
@@ -158,10 +155,10 @@ def goal_lines(rows: list[dict], added: dict[str, float] | None) -> list[str]:
             f"{100 * share:.0f}% of KVzip's added time (goal ≤ {100 * GOAL_SHARE:.0f}%: {met}).",
         ]
     mine = [r for r in rows if r["label"] == THRESHOLD_LABEL and r.get("score") is not None]
-    tasks = {r["task"] for r in mine}
-    if set(CORE) <= tasks and all(sum(r["task"] == t for r in mine) >= ct.MIN_SAMPLES for t in CORE):
+    column = ("r", 0.5)
+    if set(CORE) <= ct._complete_tasks(mine, column).get(THRESHOLD_LABEL, set()):
         reached = [reached_ratio(r) for r in mine]
-        score = statistics.mean(statistics.mean(r["score"] for r in mine if r["task"] == t) for t in CORE)
+        score = ct._mean_over_tasks(mine, THRESHOLD_LABEL, column, set(CORE))
         lines += ["", f"`{THRESHOLD_LABEL}` (adaptive) removed {100 * statistics.mean(reached):.1f}% of the "
                   f"context on average ({100 * min(reached):.1f}–{100 * max(reached):.1f}% across rows) and "
                   f"scores {100 * score:.1f} over the core tasks."]  # fmt: skip

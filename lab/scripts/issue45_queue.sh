@@ -52,6 +52,13 @@ step "agnostic, every ratio: top and 2026 methods" $RUN lab/results/leaderboard-
   --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE \
   --methods "kvzip,expected-attention,random,kvzip+,kvzap,kvzap:kind=linear,leverage,compactor"
 
+# 4a. KVzap by threshold (adaptive), and the screen's best kvpress presses, question-agnostic r = 0.5
+#     (the question-agnostic track before the question-aware one, as the priorities put it).
+step "kvzap threshold" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
+  --tasks $CORE --methods "kvzap:threshold=-6"
+step "kvpress screen's best" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
+  --tasks $CORE --peer-presses cur,non_causal_attn,adakv_compactor,compactor
+
 # 4b. kvpress's ChunkKV question-aware.
 step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
   --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
@@ -62,21 +69,14 @@ step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks 
   --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \
   --methods full,snapkv,lava,snapkv@lava,ada-snapkv@lava,pyramidkv@lava,ada-pyramidkv@lava,cake@lava,asl,fastkv@asl,gemfilter@asl,baklava,streamingllm,squeezeattention,laq,laq++
 
-# 6. KVzap by threshold (adaptive), and the screen's best kvpress presses, question-agnostic r = 0.5.
-ensure_kvzap
-step "kvzap threshold" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
-  --tasks $CORE --methods "kvzap:threshold=-6"
-step "kvpress screen's best" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
-  --tasks $CORE --peer-presses cur,non_causal_attn,adakv_compactor,compactor
-
-# 7. D2O's throughput at the paper's setting (budget = the prompt's length; docs/claims.md, run 4).
+# 6. D2O's throughput at the paper's setting (budget = the prompt's length; docs/claims.md, run 4).
 if [ ! -f lab/results/claims-d2o-throughput/budget-equals-prompt/throughput.json ]; then
   step "D2O throughput, budget = prompt" $KVB bench throughput --model qwen2.5-coder-0.5b --dtype bfloat16 \
     --methods full,d2o,h2o,d2o-nomerge --budgets 300 --lengths 256 --new-tokens 1024 --memory-cap 40MiB \
     --out lab/results/claims-d2o-throughput/budget-equals-prompt
 fi
 
-# 8. The 2026 family question-aware, and KVgrad question-agnostic at every ratio.
+# 7. The 2026 family question-aware, and KVgrad question-agnostic at every ratio.
 ensure_kvzap
 step "2026 family aware" $RUN lab/results/leaderboard --compression-ratios 0.875,0.5 --tasks $CORE \
   --methods "kvzip+,kvzap,kvzap:kind=linear,leverage,compactor,kvgrad"

@@ -42,14 +42,26 @@ def kept_overlap(pred: torch.Tensor, true: torch.Tensor, ratio: float) -> float:
     return sum(shares) / len(shares)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def kept_share(surrogate, x: torch.Tensor, y: torch.Tensor, ratio: float) -> float:
+    """:func:`kept_overlap` averaged over layers; ``x: [L, m, hidden]``, ``y: [L, m, kv]``."""
+    shares = [kept_overlap(surrogate.predict(i, x[i]), y[i], ratio) for i in range(y.shape[0])]
+    return sum(shares) / len(shares)
+
+
+def board_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options both diagnosis scripts take: the model, and which leaderboard contexts."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--tasks", default="niah_multikey_1,vt,lcc")
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--ratios", default="0.5,0.875")
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the figures")
+    return parser
+
+
+def main() -> None:
+    parser = board_arguments(__doc__)
+    parser.add_argument("--ratios", default="0.5,0.875")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tokenizer = kvbudget.load_model(args.model, dtype="bfloat16")
@@ -72,8 +84,7 @@ def main() -> None:
                 corr = rank_correlation(s, x, y)
                 row[f"{kind} rank corr"] = sum(corr) / len(corr)
                 for r in ratios:
-                    shares = [kept_overlap(s.predict(i, x[i]), y[i], r) for i in range(x.shape[0])]
-                    row[f"{kind} kept@{r}"] = sum(shares) / len(shares)
+                    row[f"{kind} kept@{r}"] = kept_share(s, x, y, r)
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     keys = [k for k in rows[0] if " " in k]

@@ -11,8 +11,8 @@ share of KVzip+'s kept set at r = 0.5 the surrogate keeps on the leaderboard's c
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -25,27 +25,12 @@ from kvbudget.kvzap_training import TrainConfig, training_passages
 from kvbudget.methods.kvzap_surrogate import fit_linear, fit_mlp, kvzip_plus_pairs, rank_correlation
 from kvbudget.methods.kvzip import reconstruction_prompts
 
-
-def kept_share(surrogate, x: torch.Tensor, y: torch.Tensor, ratio: float) -> float:
-    """Share of KVzip+'s top-k (per layer and head, ``k = round((1 − r)·m)``) the surrogate keeps,
-    averaged over layers and heads; ``x: [L, m, hidden]``, ``y: [L, m, kv]``."""
-    k = max(1, round((1 - ratio) * y.shape[1]))
-    shares = []
-    for layer in range(y.shape[0]):
-        pred = surrogate.predict(layer, x[layer])
-        for h in range(y.shape[2]):
-            a, b = pred[:, h].topk(k).indices, y[layer, :, h].topk(k).indices
-            shares.append(torch.isin(a, b).float().mean().item())
-    return sum(shares) / len(shares)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvzap_fidelity import board_arguments, kept_share  # noqa: E402  (a sibling script)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--tasks", default="niah_multikey_1,vt,lcc")
-    parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = board_arguments(__doc__).parse_args()
     cfg = TrainConfig()
     model, tokenizer = kvbudget.load_model(args.model, dtype="bfloat16")
     prefix = reconstruction_prompts(model, "", "").prefix
@@ -55,7 +40,7 @@ def main() -> None:
     print(f"training pairs: {len(pairs)} passages in {time.perf_counter() - started:.0f} s", flush=True)
     board = []
     for name in args.tasks.split(","):
-        for sample in get_task(name).make_samples(tokenizer, 2048, args.samples, 0):
+        for sample in get_task(name).make_samples(tokenizer, args.length, args.samples, 0):
             prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             board.append(kvzip_plus_pairs(model, prompt.context_ids))
     train_n = cfg.passages - cfg.held_out

@@ -391,7 +391,7 @@ def test_the_kvzap_goal_lines_pair_kvzap_with_kvzip_plus_and_share_of_kvzips_add
     """lab/scripts/agnostic_cost_plot.py, issue #48's goal: per ratio, kvzap − kvzip+ over the six
     core tasks (level when the interval holds 0, pending with a task short); KVzap's added TTFT over
     the uncompressed prefill as a share of KVzip's; the threshold rows' removed share read from
-    their per-head budgets."""
+    their per-head budgets, and their paired difference with kvzip+ at r = 0.5."""
     _load()
     path = SCRIPT.with_name("agnostic_cost_plot.py")
     spec = importlib.util.spec_from_file_location("agnostic_cost_plot", path)
@@ -413,6 +413,8 @@ def test_the_kvzap_goal_lines_pair_kvzap_with_kvzip_plus_and_share_of_kvzips_add
     assert by_ratio["0.875"].endswith("| 6 | no |") and "-80.0" in by_ratio["0.875"]
     assert by_ratio["0.75"].endswith("| 5 of 6 | pending |")
     assert "removed 70.0% of the context on average (70.0–70.0%" in lines[-1] and "scores 100.0" in lines[-1]
+    assert "paired with kvzip+ at r = 0.5 (which removes 50%): +50.0 [" in lines[-1]  # 1.0 vs i % 2
+    assert lines[-1].endswith("(ahead).")
 
     ours = [{"method": m, "prefill_s": s} for m, s in (("full", 10.0), ("full", 12.0), ("kvzip", 31.0),
                                                        ("kvzap", 12.0), ("kvzap", 13.0))]  # fmt: skip

@@ -32,14 +32,10 @@ from kvbudget.methods.kvzap_surrogate import (
 
 def kept_overlap(pred: torch.Tensor, true: torch.Tensor, ratio: float) -> float:
     """Share of the true top-k that the predicted top-k holds, ``pred/true: [m, kv]``, mean over heads."""
-    m = true.shape[0]
-    k = max(1, round((1 - ratio) * m))
-    shares = []
-    for h in range(true.shape[1]):
-        a = set(pred[:, h].topk(k).indices.tolist())
-        b = set(true[:, h].topk(k).indices.tolist())
-        shares.append(len(a & b) / k)
-    return sum(shares) / len(shares)
+    k = max(1, round((1 - ratio) * true.shape[0]))
+    kept = [torch.zeros(true.shape, dtype=torch.bool).scatter_(0, s.topk(k, dim=0).indices, True)
+            for s in (pred, true)]  # fmt: skip
+    return float((kept[0] & kept[1]).sum(0).float().mean()) / k
 
 
 def kept_share(surrogate, x: torch.Tensor, y: torch.Tensor, ratio: float) -> float:

@@ -3,10 +3,11 @@
 Collects KVzip+ pairs on ``kvbudget train kvzap``'s passages (every token of each, not its 384) and
 on the leaderboard's question-agnostic contexts (the first ``--samples`` of each task), then fits
 the surrogates on growing subsets of the training passages and tokens and reports, for each, the
-rank correlation (mean over layers) on the held-out passages and on each leaderboard context, and the
-share of KVzip+'s kept set at r = 0.5 the surrogate keeps on the leaderboard's contexts.
+rank correlation (mean over layers) on the held-out passages and on each leaderboard context, and
+the share of KVzip+'s kept set at r = 0.5 the surrogate keeps on the leaderboard's contexts.
 
-    .venv/bin/python lab/scripts/kvzap_learning_curve.py --out runs/kvzap-learning-curve.json
+    .venv/bin/python lab/scripts/kvzap_learning_curve.py \
+      --out lab/results/kvzap-diagnosis/kvzap-learning-curve.json
 """
 
 from __future__ import annotations

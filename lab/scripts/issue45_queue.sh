@@ -15,15 +15,26 @@ RUN="$PY lab/scripts/leaderboard_run.py"
 CORE=needle,niah_single_2,niah_multikey_1,niah_multikey_2,vt,lcc
 P=lab/results/claims-baklava/profile.json
 
+# FROM="kvpress screen's best" starts at the step of that name: the finished steps before it would
+# each load the model and read their rows only to skip them (about 9 minutes in all).
+FROM=${FROM:-}
 step() {
+  if [ -n "$FROM" ] && [ "$1" != "$FROM" ]; then
+    echo "=== skipped (before FROM): $1"
+    return 0
+  fi
+  FROM=
   echo "=== $(date -u +%FT%TZ) $1"
   shift
   "$@" || echo "=== step failed (exit $?): $*"
 }
 
-ensure_kvzap() {
+ensure_kvzap() {  # runs whatever FROM says: a later step may need the surrogates
+  local from=$FROM
+  FROM=
   ls "${KVBUDGET_HOME:-$HOME/.cache/kvbudget}"/kvzap/*-mlp.safetensors >/dev/null 2>&1 ||
     step "kvzap surrogates" $KVB train kvzap --model qwen2.5-coder-0.5b
+  FROM=$from
 }
 
 # 1. The verdict runs at the claims' own settings (docs/claims.md, runs 1-3a): question-aware,
@@ -44,6 +55,11 @@ step "kvpress keydiff agnostic 0.25" $RUN lab/results/leaderboard-agnostic --agn
 step "kvpress chunkkv agnostic 0.5" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.5 --tasks $CORE --peer-presses chunkkv
 
+# 3a. The screen's best kvpress presses, question-agnostic r = 0.5: before step 4's surrogate
+#     training, which they do not need (a fresh machine reaches kvpress's rows 15-24 min sooner).
+step "kvpress screen's best" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
+  --tasks $CORE --peer-presses cur,non_causal_attn,adakv_compactor,compactor
+
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
 #    The steps that use KVzap train its surrogates for the 0.5B first (24 min here) unless this
 #    machine has them.
@@ -52,12 +68,10 @@ step "agnostic, every ratio: top and 2026 methods" $RUN lab/results/leaderboard-
   --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE \
   --methods "kvzip,expected-attention,random,kvzip+,kvzap,kvzap:kind=linear,leverage,compactor"
 
-# 4a. KVzap by threshold (adaptive), and the screen's best kvpress presses, question-agnostic r = 0.5
-#     (the question-agnostic track before the question-aware one, as the issue's priorities put it).
+# 4a. KVzap by threshold (adaptive), question-agnostic r = 0.5 (the question-agnostic track before
+#     the question-aware one, as the issue's priorities put it).
 step "kvzap threshold" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
   --tasks $CORE --methods "kvzap:threshold=-6"
-step "kvpress screen's best" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
-  --tasks $CORE --peer-presses cur,non_causal_attn,adakv_compactor,compactor
 # KVzap at r = 0.5 with the threshold variant's 128-entry window: separates the window from the
 # adaptive per-head budgets in the threshold variant's lead over the fixed ratio (about 45 min).
 step "kvzap window 128" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \

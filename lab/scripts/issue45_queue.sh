@@ -60,6 +60,18 @@ step "kvpress chunkkv agnostic 0.5" $RUN lab/results/leaderboard-agnostic --agno
 step "kvpress screen's best" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
   --tasks $CORE --peer-presses cur,non_causal_attn,adakv_compactor,compactor
 
+# 3b. kvpress's best presses at r = 0.5 question-agnostic (AdaKV-Compactor 84.6, Compactor 82.9,
+#     CUR 78.7 over the core tasks, all above its Expected Attention's 77.4) at the other ratios, in
+#     that order, and kvbudget's counterpart of AdaKV-Compactor (compactor with AdaKV's head split)
+#     at r = 0.5 for the same-method pair. Cut for compute: NonCausalAttn (69.7, below Expected
+#     Attention at r = 0.5) at the other ratios.
+step "kvpress adakv_compactor agnostic, other ratios" $RUN lab/results/leaderboard-agnostic --agnostic \
+  --compression-ratios 0.875,0.75,0.25 --tasks $CORE --peer-presses adakv_compactor
+step "compactor ada agnostic 0.5" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
+  --tasks $CORE --methods "compactor:head_alloc=ada"
+step "kvpress compactor, cur agnostic, other ratios" $RUN lab/results/leaderboard-agnostic --agnostic \
+  --compression-ratios 0.875,0.75,0.25 --tasks $CORE --peer-presses compactor,cur
+
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
 #    The steps that use KVzap train its surrogates for the 0.5B first (24 min here) unless this
 #    machine has them.

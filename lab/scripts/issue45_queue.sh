@@ -18,23 +18,23 @@ P=lab/results/claims-baklava/profile.json
 # FROM="kvpress screen's best" starts at the step of that name: the finished steps before it would
 # each load the model and read their rows only to skip them (about 9 minutes in all).
 FROM=${FROM:-}
+run_step() {
+  echo "=== $(date -u +%FT%TZ) $1"
+  shift
+  "$@" || echo "=== step failed (exit $?): $*"
+}
 step() {
   if [ -n "$FROM" ] && [ "$1" != "$FROM" ]; then
     echo "=== skipped (before FROM): $1"
     return 0
   fi
   FROM=
-  echo "=== $(date -u +%FT%TZ) $1"
-  shift
-  "$@" || echo "=== step failed (exit $?): $*"
+  run_step "$@"
 }
 
-ensure_kvzap() {  # runs whatever FROM says: a later step may need the surrogates
-  local from=$FROM
-  FROM=
+ensure_kvzap() {  # whatever FROM says: a later step may need the surrogates
   ls "${KVBUDGET_HOME:-$HOME/.cache/kvbudget}"/kvzap/*-mlp.safetensors >/dev/null 2>&1 ||
-    step "kvzap surrogates" $KVB train kvzap --model qwen2.5-coder-0.5b
-  FROM=$from
+    run_step "kvzap surrogates" $KVB train kvzap --model qwen2.5-coder-0.5b
 }
 
 # 1. The verdict runs at the claims' own settings (docs/claims.md, runs 1-3a): question-aware,

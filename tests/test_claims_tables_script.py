@@ -87,6 +87,13 @@ def test_each_kvpress_press_is_paired_with_a_registered_method_of_the_same_name(
     # kvbudget's side is a registry name or a spec with options (``compactor:head_alloc=ada``): its
     # name is registered and its options build (MethodSpec.parse raises on an unknown option)
     assert all(MethodSpec.parse(ours).name in method_names() for _, ours in pairs)
+    # the compactor draws' table: kvbudget's specs build, kvpress's side is a press it runs
+    for a, b in _load().COMPACTOR_DRAW_PAIRS:
+        for label in (a, b):
+            if label.startswith(PEER_PREFIX):
+                assert label.removeprefix(PEER_PREFIX) in PRESSES
+            else:
+                assert MethodSpec.parse(label).name in method_names()
 
 
 def test_screen_table_counts_same_answers_on_the_samples_both_ran():

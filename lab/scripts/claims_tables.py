@@ -658,6 +658,13 @@ SAME_METHOD_PAIRS = [
 ]  # fmt: skip
 
 
+#: kvbudget's compactor with other seeds of its random sketches against its default draw and
+#: kvpress's Compactor: how far the draw alone moves a sketch scorer's score.
+COMPACTOR_DRAW_PAIRS = [
+    ("compactor:seed=1", "compactor"), ("compactor:seed=2", "compactor"),
+    (f"{PEER_PREFIX}compactor", "compactor:seed=1"), (f"{PEER_PREFIX}compactor", "compactor:seed=2"),
+]  # fmt: skip
+
 #: kvpress's presses screened on a few samples → kvbudget's implementation of the same method, where
 #: one exists (its kept positions are checked against the press in tests/test_kvpress_oracle.py).
 SCREEN_COUNTERPARTS = {
@@ -725,9 +732,9 @@ def screen_table(rows: list[dict]) -> list[str]:
 
 def agnostic_blocks(folder: Path, aware: list[dict]) -> dict[str, list[str]]:
     """The question-agnostic track's tables (``agnostic-RATIO``: kvbudget's methods on the widest task
-    set any finished, ``agnostic-kvpress``,
-    ``agnostic-pairs``, ``agnostic-kvpress-same``) from ``folder``'s rows, and ``tracks-0.5`` (against
-    the question-aware rows ``aware``), or a line saying none ran yet."""
+    set any finished, ``agnostic-kvpress``, ``agnostic-pairs``, ``agnostic-kvpress-same``,
+    ``agnostic-compactor-draws``) from ``folder``'s rows, and ``tracks-0.5`` (against the
+    question-aware rows ``aware``), or a line saying none ran yet."""
     ratios = (0.875, 0.75, 0.5, 0.25)
     rows = load_rows(folder / "results.jsonl") if has_results(folder) else []
     rows = [r for r in rows if r.get("error") is None]
@@ -736,6 +743,7 @@ def agnostic_blocks(folder: Path, aware: list[dict]) -> dict[str, list[str]]:
     out["agnostic-kvpress"] = best_against_kvpress(rows, ratios)
     out["agnostic-pairs"] = pairs_table(rows, AGNOSTIC_PAIRS) if rows else ["(no rows yet)"]
     out["agnostic-kvpress-same"] = pairs_table(rows, SAME_METHOD_PAIRS) if rows else ["(no rows yet)"]
+    out["agnostic-compactor-draws"] = pairs_table(rows, COMPACTOR_DRAW_PAIRS) if rows else ["(no rows yet)"]
     out["agnostic-screen"] = screen_table(rows)
     out["tracks-0.5"] = tracks_table(aware, rows, 0.5)
     return out

@@ -77,6 +77,13 @@ step "compactor other draws 0.5" $RUN lab/results/leaderboard-agnostic --agnosti
 step "kvpress compactor, cur agnostic, other ratios" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.875,0.75,0.25 --tasks $CORE --peer-presses compactor,cur
 
+# 3b. The 1.5B check (docs/claims.md, run 5; about 3 hours): one of #45's must-shows, so it runs
+#     before the steps below that are done (4, 4a: they skip) or are diagnostics and extras.
+step "fetch the 1.5B" $KVB fetch model qwen2.5-coder-1.5b
+step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks $CORE \
+  --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \
+  --methods full,snapkv,lava,snapkv@lava,ada-snapkv@lava,pyramidkv@lava,ada-pyramidkv@lava,cake@lava,asl,fastkv@asl,gemfilter@asl,baklava,streamingllm,squeezeattention,laq,laq++
+
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
 #    The steps that use KVzap train its surrogates for the 0.5B first (24 min here) unless this
 #    machine has them.
@@ -97,12 +104,6 @@ step "kvzap window 128" $RUN lab/results/leaderboard-agnostic --agnostic --compr
 # 4b. kvpress's ChunkKV question-aware.
 step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
   --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
-
-# 5. The 1.5B check (docs/claims.md, run 5; about 3 hours).
-step "fetch the 1.5B" $KVB fetch model qwen2.5-coder-1.5b
-step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks $CORE \
-  --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \
-  --methods full,snapkv,lava,snapkv@lava,ada-snapkv@lava,pyramidkv@lava,ada-pyramidkv@lava,cake@lava,asl,fastkv@asl,gemfilter@asl,baklava,streamingllm,squeezeattention,laq,laq++
 
 # 6. D2O's throughput at the paper's setting (budget = the prompt's length; docs/claims.md, run 4).
 if [ ! -f lab/results/claims-d2o-throughput/budget-equals-prompt/throughput.json ]; then

@@ -77,8 +77,9 @@ step "compactor other draws 0.5" $RUN lab/results/leaderboard-agnostic --agnosti
 step "kvpress compactor, cur agnostic, other ratios" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.875,0.75,0.25 --tasks $CORE --peer-presses compactor,cur
 
-# 3b. The 1.5B check (docs/claims.md, run 5; about 1.3 h on an AMX machine, 3 h on the pilot's): a #45 must-show, so it runs
-#     before the steps below that are done (4, 4a: they skip) or are diagnostics and extras.
+# 3b. The 1.5B check (docs/claims.md, run 5; about 1.3 h on an AMX machine, 3 h on the pilot's):
+#     a #45 must-show, so it runs before the steps below that are done (4, 4a: they skip) or are
+#     diagnostics and extras.
 step "fetch the 1.5B" $KVB fetch model qwen2.5-coder-1.5b
 step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks $CORE \
   --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \

@@ -85,10 +85,22 @@ step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks 
   --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \
   --methods full,snapkv,lava,snapkv@lava,ada-snapkv@lava,pyramidkv@lava,ada-pyramidkv@lava,cake@lava,asl,fastkv@asl,gemfilter@asl,baklava,streamingllm,squeezeattention,laq,laq++
 
+# The must-shows that need no KVzap surrogate run before the steps that train it (14 min here).
+# 4b. kvpress's ChunkKV question-aware.
+step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
+  --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
+
+# 6. D2O's throughput at the paper's setting (budget = the prompt's length; docs/claims.md, run 4).
+if [ ! -f lab/results/claims-d2o-throughput/budget-equals-prompt/throughput.json ]; then
+  step "D2O throughput, budget = prompt" $KVB bench throughput --model qwen2.5-coder-0.5b --dtype bfloat16 \
+    --methods full,d2o,h2o,d2o-nomerge --budgets 300 --lengths 256 --new-tokens 1024 --memory-cap 40MiB \
+    --out lab/results/claims-d2o-throughput/budget-equals-prompt
+fi
+
+ensure_kvzap
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
 #    The steps that use KVzap train its surrogates for the 0.5B first (24 min here) unless this
 #    machine has them.
-ensure_kvzap
 step "agnostic, every ratio: top and 2026 methods" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE \
   --methods "kvzip,expected-attention,random,kvzip+,kvzap,kvzap:kind=linear,leverage,compactor"
@@ -101,17 +113,6 @@ step "kvzap threshold" $RUN lab/results/leaderboard-agnostic --agnostic --compre
 # adaptive per-head budgets in the threshold variant's lead over the fixed ratio (about 45 min).
 step "kvzap window 128" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
   --tasks $CORE --methods "kvzap:window=128"
-
-# 4b. kvpress's ChunkKV question-aware.
-step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
-  --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
-
-# 6. D2O's throughput at the paper's setting (budget = the prompt's length; docs/claims.md, run 4).
-if [ ! -f lab/results/claims-d2o-throughput/budget-equals-prompt/throughput.json ]; then
-  step "D2O throughput, budget = prompt" $KVB bench throughput --model qwen2.5-coder-0.5b --dtype bfloat16 \
-    --methods full,d2o,h2o,d2o-nomerge --budgets 300 --lengths 256 --new-tokens 1024 --memory-cap 40MiB \
-    --out lab/results/claims-d2o-throughput/budget-equals-prompt
-fi
 
 # 7. The 2026 family question-aware, and KVgrad question-agnostic at every ratio.
 ensure_kvzap

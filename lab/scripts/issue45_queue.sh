@@ -85,7 +85,7 @@ step "1.5B check" $KVB eval --model qwen2.5-coder-1.5b --dtype bfloat16 --tasks 
   --lengths 4096 --seed 0 --limit 10 --compression-ratios 0.875 --out lab/results/check-1.5b \
   --methods full,snapkv,lava,snapkv@lava,ada-snapkv@lava,pyramidkv@lava,ada-pyramidkv@lava,cake@lava,asl,fastkv@asl,gemfilter@asl,baklava,streamingllm,squeezeattention,laq,laq++
 
-# The must-shows that need no KVzap surrogate run before the steps that train it (14 min here).
+# The must-shows that need no KVzap surrogate run before the steps that train it (6–14 min here).
 # 4b. kvpress's ChunkKV question-aware.
 step "kvpress chunkkv aware 0.875, 0.5" $RUN lab/results/leaderboard \
   --compression-ratios 0.875,0.5 --tasks $CORE --peer-presses chunkkv
@@ -99,8 +99,8 @@ fi
 
 ensure_kvzap
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
-#    The steps that use KVzap train its surrogates for the 0.5B first (24 min here) unless this
-#    machine has them.
+#    The steps that use KVzap train its surrogates for the 0.5B first (ensure_kvzap above) unless
+#    this machine has them.
 step "agnostic, every ratio: top and 2026 methods" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE \
   --methods "kvzip,expected-attention,random,kvzip+,kvzap,kvzap:kind=linear,leverage,compactor"

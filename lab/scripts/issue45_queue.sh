@@ -32,7 +32,8 @@ step() {
   run_step "$@"
 }
 
-ensure_kvzap() {  # whatever FROM says: a later step may need the surrogates
+ensure_kvzap() {  # once FROM's step has been reached: the steps after it may need the surrogates
+  [ -n "$FROM" ] && return 0
   ls "${KVBUDGET_HOME:-$HOME/.cache/kvbudget}"/kvzap/*-mlp.safetensors >/dev/null 2>&1 ||
     run_step "kvzap surrogates" $KVB train kvzap --model qwen2.5-coder-0.5b
 }
@@ -114,10 +115,11 @@ step "kvzap threshold" $RUN lab/results/leaderboard-agnostic --agnostic --compre
 step "kvzap window 128" $RUN lab/results/leaderboard-agnostic --agnostic --compression-ratios 0.5 \
   --tasks $CORE --methods "kvzap:window=128"
 
-# 7. The 2026 family question-aware, and KVgrad question-agnostic at every ratio.
+# 7. KVgrad question-agnostic at every ratio (the question-agnostic track first; it needs no
+#    surrogate), then the 2026 family question-aware.
+step "kvgrad agnostic" $RUN lab/results/leaderboard-agnostic --agnostic \
+  --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE --methods kvgrad
 ensure_kvzap
 step "2026 family aware" $RUN lab/results/leaderboard --compression-ratios 0.875,0.5 --tasks $CORE \
   --methods "kvzip+,kvzap,kvzap:kind=linear,leverage,compactor,kvgrad"
-step "kvgrad agnostic" $RUN lab/results/leaderboard-agnostic --agnostic \
-  --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE --methods kvgrad
 echo "=== $(date -u +%FT%TZ) queue finished"

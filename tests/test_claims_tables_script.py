@@ -435,3 +435,30 @@ def test_the_kvzap_goal_lines_pair_kvzap_with_kvzip_plus_and_share_of_kvzips_add
     assert "8% of KVzip's added time (goal ≤ 10%: met)" in line
     (tmp_path / "ours.jsonl").write_text(json.dumps({"method": "kvzip", "prefill_s": 1.0}) + "\n")
     assert cost.added_ttft(tmp_path) is None  # no uncompressed prefill to subtract
+
+
+def test_the_summary_footnotes_a_best_that_kvpress_ships_but_has_not_run_there():
+    """lab/scripts/leaderboard_summary.py: where kvbudget's best is a method kvpress ships too (its
+    KVgrad) and that press has only screened samples, the line is marked and the footnote names the
+    press and the screen's agreement; once the press has run the tasks, the mark goes."""
+    _load()
+    path = SCRIPT.with_name("leaderboard_summary.py")
+    spec = importlib.util.spec_from_file_location("leaderboard_summary", path)
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+
+    def rows_of(label: str, score: float, n: int = 20, answer: str = "a") -> list[dict]:
+        return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": 0.5,
+                 "score": score, "prediction": answer} for task in ("niah_multikey_2", "vt")
+                for i in range(n)]  # fmt: skip
+
+    rows = rows_of("kvgrad", 0.9) + rows_of("snapkv", 0.5) + rows_of("kvpress:snapkv", 0.4)
+    screened = rows_of("kvpress:kvgrad", 0.9, n=3)
+    screened[0]["prediction"] = "b"  # one of the six screen samples answered differently
+    lines = summary.summary_table([("question-agnostic", rows + screened)])
+    assert "| question-agnostic | 0.5 | kvgrad 90.0 ² | kvpress:snapkv 40.0 |" in "\n".join(lines)
+    (note,) = [line for line in lines if line.startswith("²")]
+    assert note.endswith("kvbudget's answer on `kvpress:kvgrad` 5 of 6.")
+    lines = summary.summary_table([("question-agnostic", rows + rows_of("kvpress:kvgrad", 0.8))])
+    assert not any("²" in line for line in lines)
+    assert "| question-agnostic | 0.5 | kvgrad 90.0 | kvpress:kvgrad 80.0 |" in "\n".join(lines)

@@ -633,11 +633,13 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 #: The question-agnostic track's pairs: the query-free scores (made for this track) against the
-#: question-window scores that lose their question here, and the seed methods against SnapKV.
+#: question-window scores that lose their question here, the seed methods against SnapKV, and the
+#: KVzip family's gradient-weighted member against the other two.
 AGNOSTIC_PAIRS = [
     ("keydiff", "snapkv"), ("keydiff", "streamingllm"), ("kvzip", "snapkv"), ("kvzip", "keydiff"),
     ("lagkv", "snapkv"), ("qfilter", "snapkv"), ("chunkkv", "snapkv"), ("lava", "snapkv"),
     ("laq", "snapkv"), ("expected-attention", "snapkv"), ("kvzip", "expected-attention"),
+    ("kvgrad", "kvzip"), ("kvgrad", "kvzip+"),
 ]  # fmt: skip
 
 

@@ -122,4 +122,9 @@ step "kvgrad agnostic" $RUN lab/results/leaderboard-agnostic --agnostic \
 ensure_kvzap
 step "2026 family aware" $RUN lab/results/leaderboard --compression-ratios 0.875,0.5 --tasks $CORE \
   --methods "kvzip+,kvzap,kvzap:kind=linear,leverage,compactor,kvgrad"
+# 8. kvpress's KVgrad question-agnostic at r = 0.875: kvbudget's best there is its `kvgrad`, so the
+#    summary's line compares against another press until kvpress's own KVgrad has the same samples
+#    (about a minute a row, two hours).
+step "kvpress kvgrad agnostic 0.875" $RUN lab/results/leaderboard-agnostic --agnostic \
+  --compression-ratios 0.875 --tasks $CORE --peer-presses kvgrad
 echo "=== $(date -u +%FT%TZ) queue finished"

@@ -27,6 +27,10 @@ from kvbudget.eval.report import PEER_PREFIX  # noqa: E402
 from kvbudget.eval.store import load_rows  # noqa: E402
 
 RATIOS = (0.875, 0.75, 0.5, 0.25)
+#: kvbudget's methods that kvpress ships too → the press's label (kept positions checked equal in
+#: tests/test_kvpress_oracle.py)
+SAME_AS_PRESS = {ours: f"{PEER_PREFIX}{press}" for press, ours in ct.SCREEN_COUNTERPARTS.items()}
+MARK = "²"
 #: methods per library in the plot, ranked by their mean over the ratios they finished
 TOP = 4
 
@@ -37,9 +41,38 @@ def _rows(folder: Path) -> list[dict]:
     return [r for r in load_rows(folder / "results.jsonl") if r.get("error") is None]
 
 
+def screen_agreement(rows: list[dict], ours: str, press: str) -> str:
+    """``press``'s agreement with kvbudget's ``ours`` on the screen's samples
+    (:func:`claims_tables.screen_rows`): "`press` k of n", or "`press` not screened" where they
+    share no screened sample."""
+    scored = ct.screen_rows(rows)
+    common = [k for k in scored.get(press, {}) if k in scored.get(ours, {})]
+    if not common:
+        return f"`{press}` not screened"
+    same = sum(
+        scored[press][k]["prediction"].strip() == scored[ours][k]["prediction"].strip() for k in common
+    )
+    return f"`{press}` {same} of {len(common)}"
+
+
+def same_method_note(agreements: list[str]) -> str:
+    """The footnote for the lines whose kvbudget best is a method kvpress ships too but has not run
+    there: the difference is then against another press, not against kvpress's own version."""
+    return (
+        f"{MARK} A method kvpress ships too, whose press has not run on these tasks at this ratio: the "
+        "difference is against kvpress's best press that has, not against kvpress's own version. "
+        "The two keep the same positions (tests/test_kvpress_oracle.py); on the screen's samples "
+        "(question-agnostic, r = 0.5) the press gave kvbudget's answer on " + ", ".join(agreements) + "."
+    )
+
+
 def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
     """One line per track and ratio; where the two sides finished no task set in common at a ratio,
-    each side's best on its own tasks (or "not run yet") and no difference."""
+    each side's best on its own tasks (or "not run yet") and no difference. A line whose kvbudget
+    best is a method kvpress ships too, where that press has not run, is marked :data:`MARK` and
+    footnoted under the table (the screen's agreement from the question-agnostic track's rows)."""
+    screened = next((rows for track, rows in tracks if track == "question-agnostic"), [])
+    notes: dict[str, str] = {}
     lines = [
         "| track | r | kvbudget's best (held to the budget) | kvpress's best "
         "| kvbudget − kvpress [95% CI] | tasks |",
@@ -60,9 +93,15 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
                 lines.append(f"| {track} | {ratio:g} | {ours} | {theirs} | – | {tasks} |")
                 continue
             ours, peer = pair.cells()
+            press = SAME_AS_PRESS.get(pair.ours)
+            if press is not None and press not in pair.peer_labels:
+                ours += f" {MARK}"
+                notes.setdefault(press, screen_agreement(screened, pair.ours, press))
             lines.append(
                 f"| {track} | {ratio:g} | {ours} | {peer} | {ct._cell(pair.diff)} | {len(pair.tasks)} |"
             )
+    if notes:
+        lines += ["", same_method_note(list(notes.values()))]
     return lines
 
 

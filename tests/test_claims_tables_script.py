@@ -22,6 +22,17 @@ def _load():
     return module
 
 
+def _load_summary():
+    """lab/scripts/leaderboard_summary.py, which imports claims_tables as a sibling."""
+    _load()
+    spec = importlib.util.spec_from_file_location(
+        "leaderboard_summary", SCRIPT.with_name("leaderboard_summary.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _rows(scores: dict[str, float]) -> list[dict]:
     rows = []
     for label, score in scores.items():
@@ -338,11 +349,8 @@ def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
     kvbudget's best on the widest task set a method finished (a method with fewer tasks does not
     compete, the full cache never does) and says no press finished; a ratio nobody ran says so; where
     both sides ran but on different tasks, each side's best on its own, with both task counts."""
-    tables = _load()  # the summary script imports claims_tables as a sibling
-    path = SCRIPT.with_name("leaderboard_summary.py")
-    spec = importlib.util.spec_from_file_location("leaderboard_summary", path)
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    tables = _load()
+    summary = _load_summary()
 
     def rows_of(label: str, score: float, tasks: tuple[str, ...], ratio: float | None) -> list[dict]:
         return [{"label": label, "task": t, "length": 2048, "sample": i, "compression_ratio": ratio,
@@ -441,11 +449,7 @@ def test_the_summary_footnotes_a_best_that_kvpress_ships_but_has_not_run_there()
     """lab/scripts/leaderboard_summary.py: where kvbudget's best is a method kvpress ships too (its
     KVgrad) and that press has only screened samples, the line is marked and the footnote names the
     press and the screen's agreement; once the press has run the tasks, the mark goes."""
-    _load()
-    path = SCRIPT.with_name("leaderboard_summary.py")
-    spec = importlib.util.spec_from_file_location("leaderboard_summary", path)
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    summary = _load_summary()
 
     def rows_of(label: str, score: float, n: int = 20, answer: str = "a") -> list[dict]:
         return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": 0.5,

@@ -697,6 +697,11 @@ def screen_rows(rows: list[dict]) -> dict[str, dict[tuple[str, int], dict]]:
     return scored
 
 
+def same_answers(scored: dict[str, dict[tuple[str, int], dict]], a: str, b: str, keys) -> int:
+    """How many of the screen samples ``keys`` ``a`` and ``b`` answered with the same text."""
+    return sum(scored[a][k]["prediction"].strip() == scored[b][k]["prediction"].strip() for k in keys)
+
+
 def screen_table(rows: list[dict]) -> list[str]:
     """kvpress's screen (:func:`screen_rows`): every press's mean on the samples it ran, beside
     kvbudget's same method on those very samples and the number of samples where both answered the
@@ -722,10 +727,7 @@ def screen_table(rows: list[dict]) -> list[str]:
         elif not common:
             cells = f"{ours} | not run on these samples | –"
         else:
-            same = sum(
-                scored[label][k]["prediction"].strip() == scored[ours][k]["prediction"].strip()
-                for k in common
-            )
+            same = same_answers(scored, label, ours, common)
             press_mean = "" if len(common) == len(keys) else f" (press {_pct(mean(label, common))} on these)"
             cells = f"{ours} | {_pct(mean(ours, common))}{press_mean} | {same} of {len(common)}"
         lines.append(f"| {label} | {len(keys)} | {_pct(mean(label, keys))} | {cells} |")

@@ -41,18 +41,14 @@ def _rows(folder: Path) -> list[dict]:
     return [r for r in load_rows(folder / "results.jsonl") if r.get("error") is None]
 
 
-def screen_agreement(rows: list[dict], ours: str, press: str) -> str:
-    """``press``'s agreement with kvbudget's ``ours`` on the screen's samples
+def screen_agreement(scored: dict[str, dict[tuple[str, int], dict]], ours: str, press: str) -> str:
+    """``press``'s agreement with kvbudget's ``ours`` on the screen's samples ``scored``
     (:func:`claims_tables.screen_rows`): "`press` k of n", or "`press` not screened" where they
     share no screened sample."""
-    scored = ct.screen_rows(rows)
     common = [k for k in scored.get(press, {}) if k in scored.get(ours, {})]
     if not common:
         return f"`{press}` not screened"
-    same = sum(
-        scored[press][k]["prediction"].strip() == scored[ours][k]["prediction"].strip() for k in common
-    )
-    return f"`{press}` {same} of {len(common)}"
+    return f"`{press}` {ct.same_answers(scored, press, ours, common)} of {len(common)}"
 
 
 def same_method_note(agreements: list[str]) -> str:
@@ -71,7 +67,7 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
     each side's best on its own tasks (or "not run yet") and no difference. A line whose kvbudget
     best is a method kvpress ships too, where that press has not run, is marked :data:`MARK` and
     footnoted under the table (the screen's agreement from the question-agnostic track's rows)."""
-    screened = next((rows for track, rows in tracks if track == "question-agnostic"), [])
+    screened = ct.screen_rows(next((rows for track, rows in tracks if track == "question-agnostic"), []))
     notes: dict[str, str] = {}
     lines = [
         "| track | r | kvbudget's best (held to the budget) | kvpress's best "

@@ -32,8 +32,8 @@ step() {
   run_step "$@"
 }
 
-ensure_kvzap() {  # once FROM's step has been reached: the steps after it may need the surrogates
-  [ -n "$FROM" ] && return 0
+ensure_kvzap() {  # before step $1, unless FROM names a later step: the steps from $1 on need them
+  [ -n "$FROM" ] && [ "$FROM" != "$1" ] && return 0
   ls "${KVBUDGET_HOME:-$HOME/.cache/kvbudget}"/kvzap/*-mlp.safetensors >/dev/null 2>&1 ||
     run_step "kvzap surrogates" $KVB train kvzap --model qwen2.5-coder-0.5b
 }
@@ -98,7 +98,7 @@ if [ ! -f lab/results/claims-d2o-throughput/budget-equals-prompt/throughput.json
     --out lab/results/claims-d2o-throughput/budget-equals-prompt
 fi
 
-ensure_kvzap
+ensure_kvzap "agnostic, every ratio: top and 2026 methods"
 # 4. Question-agnostic, every ratio: kvbudget's top methods and the 2026 query-agnostic family (#48).
 #    The steps that use KVzap train its surrogates for the 0.5B first (ensure_kvzap above) unless
 #    this machine has them.
@@ -119,7 +119,7 @@ step "kvzap window 128" $RUN lab/results/leaderboard-agnostic --agnostic --compr
 #    surrogate), then the 2026 family question-aware.
 step "kvgrad agnostic" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.25,0.5,0.75,0.875 --tasks $CORE --methods kvgrad
-ensure_kvzap
+ensure_kvzap "2026 family aware"
 step "2026 family aware" $RUN lab/results/leaderboard --compression-ratios 0.875,0.5 --tasks $CORE \
   --methods "kvzip+,kvzap,kvzap:kind=linear,leverage,compactor,kvgrad"
 # 8. kvpress's KVgrad question-agnostic at r = 0.875: kvbudget's best there is its `kvgrad`, so the

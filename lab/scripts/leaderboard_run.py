@@ -35,6 +35,26 @@ from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
 from kvbudget.eval.store import pack_results
 from kvbudget.eval.suites import LEADERBOARD_PLAN, suite
+from kvbudget.methods.kvzap_surrogate import default_surrogate_path
+from kvbudget.methods.spec import MethodSpec
+
+
+def missing_surrogate(methods: list[str], model) -> str | None:
+    """Why ``methods`` cannot make leaderboard rows on ``model``, or ``None``: a ``kvzap`` without a
+    ``surrogate=`` option uses the model's trained surrogate of its kind; without one it would fall
+    back to a linear surrogate fitted on the bundled prompts (a warning only), and its rows would
+    not say so."""
+    for text in methods:
+        method = MethodSpec.parse(text).build()
+        if method.name != "kvzap" or method.surrogate:
+            continue
+        path = default_surrogate_path(model, method.kind)
+        if not path.is_file():
+            return (
+                f"{text}: this model has no trained KVzap surrogate ({path}); run "
+                "`kvbudget train kvzap --model ...` first"
+            )
+    return None
 
 
 @contextlib.contextmanager
@@ -91,10 +111,10 @@ def main() -> None:
     lock = os.environ.get("KVBUDGET_LOCK")
     with machine_lock(lock):
         model, tokenizer = kvbudget.load_model(config.model, dtype=config.dtype)
+    whole = dataclasses.asdict(Runner(config, None, model=model, tokenizer=tokenizer, progress=False).config)
+    if not args.peer_presses and (problem := missing_surrogate(whole["methods"], model)):
+        parser.error(problem)
     args.out.mkdir(parents=True, exist_ok=True)
-    whole = dataclasses.asdict(
-        Runner(config, args.out, model=model, tokenizer=tokenizer, progress=False).config
-    )
     path = args.out / "config.json"
     if path.exists():  # the union of every part run into this folder
         before = json.loads(path.read_text(encoding="utf-8"))

@@ -23,11 +23,13 @@ def test_kvzap_rows_need_the_models_trained_surrogate(tmp_path, monkeypatch) -> 
     monkeypatch.setenv("KVBUDGET_HOME", str(tmp_path / "home"))
     script, model = _load(), tiny_model("llama", seed=1)
     problem = script.missing_surrogate(["snapkv", "kvzap:kind=linear"], model)
-    assert problem is not None and problem.startswith("kvzap:kind=linear: this model has no trained")
+    assert problem is not None and problem.startswith("kvzap:kind=linear: no trained linear KVzap surrogate")
     assert "\n" not in problem and "kvbudget train kvzap" in problem
     assert script.missing_surrogate(["snapkv", "kvzip+"], model) is None
 
-    trained = tmp_path / "home" / "kvzap" / f"{script.default_surrogate_path(model, 'linear').name}"
+    from kvbudget.methods.kvzap_surrogate import default_surrogate_path
+
+    trained = default_surrogate_path(model, "linear")
     trained.parent.mkdir(parents=True)
     trained.write_bytes(b"")  # only its presence is checked here; kvzap loads and checks it
     assert script.missing_surrogate(["kvzap:kind=linear"], model) is None

@@ -30,12 +30,13 @@ from pathlib import Path
 
 import kvbudget
 from kvbudget.artifacts import file_lock
+from kvbudget.errors import KVBudgetError
 from kvbudget.eval.peer_rows import run_peer_rows
 from kvbudget.eval.report import write_report
 from kvbudget.eval.runner import EvalConfig, Runner
 from kvbudget.eval.store import pack_results
 from kvbudget.eval.suites import LEADERBOARD_PLAN, suite
-from kvbudget.methods.kvzap_surrogate import default_surrogate_path
+from kvbudget.methods.kvzap_surrogate import trained_surrogate_path
 from kvbudget.methods.spec import MethodSpec
 
 
@@ -46,14 +47,11 @@ def missing_surrogate(methods: list[str], model) -> str | None:
     not say so."""
     for text in methods:
         method = MethodSpec.parse(text).build()
-        if method.name != "kvzap" or method.surrogate:
-            continue
-        path = default_surrogate_path(model, method.kind)
-        if not path.is_file():
-            return (
-                f"{text}: this model has no trained KVzap surrogate ({path}); run "
-                "`kvbudget train kvzap --model ...` first"
-            )
+        if method.name == "kvzap" and not method.surrogate:
+            try:
+                trained_surrogate_path(model, method.kind, text)
+            except KVBudgetError as err:
+                return str(err)
     return None
 
 

@@ -158,19 +158,13 @@ def make_jobs(config: PeerConfig) -> list[dict[str, Any]]:
 def with_surrogates(jobs: list[dict[str, Any]], model) -> list[dict[str, Any]]:
     """KVzap's jobs with the path of ``model``'s trained surrogate of their kind (both sides load it);
     refused in one line when the model has none."""
-    from kvbudget.methods.kvzap_surrogate import default_surrogate_path
+    from kvbudget.methods.kvzap_surrogate import trained_surrogate_path
 
     out = []
     for job in jobs:
         kind = job.get("kvzap_weights")
         if kind in ("linear", "mlp"):
-            path = default_surrogate_path(model, kind)
-            if not path.is_file():
-                raise KVBudgetError(
-                    f"{job['method']}: no trained {kind} KVzap surrogate for this model at {path}: "
-                    "run `kvbudget train kvzap --model ...` first"
-                )
-            job = {**job, "kvzap_weights": str(path)}
+            job = {**job, "kvzap_weights": str(trained_surrogate_path(model, kind, job["method"]))}
         out.append(job)
     return out
 

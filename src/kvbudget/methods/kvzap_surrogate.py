@@ -117,6 +117,19 @@ def default_surrogate_path(model: PreTrainedModel, kind: str) -> Path:
     return surrogates_dir() / f"{config_hash(model.config)[:16]}-{kind}.safetensors"
 
 
+def trained_surrogate_path(model: PreTrainedModel, kind: str, who: str) -> Path:
+    """``model``'s trained surrogate file of ``kind`` (:func:`default_surrogate_path`); refused in
+    one line naming ``who`` when there is none, for runs that must not fall back to the bundled
+    prompts' fit."""
+    path = default_surrogate_path(model, kind)
+    if not path.is_file():
+        raise ProfileError(
+            f"{who}: no trained {kind} KVzap surrogate for this model at {path}: "
+            "run `kvbudget train kvzap --model ...` first"
+        )
+    return path
+
+
 def save_surrogate(surrogate: Surrogate, path: str | Path) -> Path:
     from safetensors.torch import save_file
 

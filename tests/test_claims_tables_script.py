@@ -466,3 +466,26 @@ def test_the_summary_footnotes_a_best_that_kvpress_ships_but_has_not_run_there()
     lines = summary.summary_table([("question-agnostic", rows + rows_of("kvpress:kvgrad", 0.8))])
     assert not any("²" in line for line in lines)
     assert "| question-agnostic | 0.5 | kvgrad 90.0 | kvpress:kvgrad 80.0 |" in "\n".join(lines)
+
+
+def test_the_footnote_adds_a_press_run_begun_but_not_finished_at_the_lines_ratio():
+    """lab/scripts/leaderboard_summary.py: where kvpress's own version of kvbudget's best has rows
+    at the line's ratio on some of its tasks only, the line keeps its mark and the footnote adds
+    the two means on the samples both ran and how many answers match (the screen's samples, at
+    r = 0.5, are counted by the screen's sentence, not again)."""
+    summary = _load_summary()
+
+    def rows_of(label: str, score: float, tasks=("niah_multikey_2", "vt"), n: int = 20) -> list[dict]:
+        return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": 0.875,
+                 "score": score, "prediction": "a"} for task in tasks for i in range(n)]  # fmt: skip
+
+    rows = rows_of("kvgrad", 0.9) + rows_of("snapkv", 0.5) + rows_of("kvpress:snapkv", 0.4)
+    begun = rows_of("kvpress:kvgrad", 1.0, tasks=("vt",))
+    begun[0]["prediction"] = "b"
+    lines = summary.summary_table([("question-agnostic", rows + begun)])
+    assert "| question-agnostic | 0.875 | kvgrad 90.0 ² | kvpress:snapkv 40.0 |" in "\n".join(lines)
+    (note,) = [line for line in lines if line.startswith("²")]
+    assert note.endswith(
+        "Question-agnostic, at r = 0.875, `kvpress:kvgrad` has rows for 20 samples, on 1 of the "
+        "tasks: 100.0 against `kvgrad`'s 90.0 on them, the same answer on 19 of 20."
+    )

@@ -134,6 +134,19 @@ def test_four_concurrent_requests_with_their_own_methods_equal_generate_alone(
     assert scheduler.peak_active >= 2  # they were decoded together
 
 
+class HoldFirstPrefill(Metrics):
+    """Holds the worker after the first request's prefill until :attr:`release` is set, so the test
+    arranges the queue while that request is active (however fast the machine decodes)."""
+
+    def __init__(self) -> None:
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def ttft(self, seconds: float) -> None:
+        if not self.holding.is_set():
+            self.holding.set()
+            self.release.wait(120)
+
+
 def test_the_cap_is_never_exceeded_requests_queue_and_a_full_queue_gets_429(model_and_tokenizer) -> None:
     model, tokenizer = model_and_tokenizer
     ids = tokenizer.apply_chat_template([{"role": "user", "content": CONTEXT}], add_generation_prompt=True)
@@ -142,9 +155,11 @@ def test_the_cap_is_never_exceeded_requests_queue_and_a_full_queue_gets_429(mode
     one = prefill_peak_bytes(
         model, make_sequence(ids, 40, {1}, comp, method=MethodSpec.parse("full").build())
     )
+    gate = HoldFirstPrefill()
     scheduler = Scheduler(
-        model, tokenizer, memory_cap=int(one * 1.5), default=comp, max_queue=1, keep_turns=False
-    )
+        model, tokenizer, memory_cap=int(one * 1.5), default=comp, max_queue=1, keep_turns=False,
+        metrics=gate,
+    )  # fmt: skip
     with live(scheduler) as base:
         results: dict[int, object] = {}
 
@@ -156,13 +171,18 @@ def test_the_cap_is_never_exceeded_requests_queue_and_a_full_queue_gets_429(mode
 
         first = threading.Thread(target=ask, args=(0,))
         first.start()
-        while scheduler.stats()["active"] == 0:
-            time.sleep(0.01)
-        second = threading.Thread(target=ask, args=(1,))
-        second.start()
-        while scheduler.stats()["queued"] == 0 and 1 not in results:
-            time.sleep(0.01)
-        ask(2)  # the queue (one place) is taken: refused at once
+        try:
+            assert gate.holding.wait(120)  # the first request is active, its prefill done
+            assert scheduler.stats()["active"] == 1
+            second = threading.Thread(target=ask, args=(1,))
+            second.start()
+            deadline = time.monotonic() + 120
+            while scheduler.stats()["queued"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert scheduler.stats()["queued"] == 1  # no room beside the first: it waits
+            ask(2)  # the queue (one place) is taken: refused at once
+        finally:
+            gate.release.set()
         first.join(120)
         second.join(120)
     assert isinstance(results[2], openai.RateLimitError)

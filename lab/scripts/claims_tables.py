@@ -610,6 +610,9 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
              ("r-kv", "snapkv"), ("expected-attention", "snapkv"), ("keydiff", "streamingllm"),
              ("lagkv", "streamingllm"), ("qfilter", "streamingllm")]  # fmt: skip
     out["leaderboard-newer"] = pairs_table(rows, newer)
+    family = [("kvgrad", "laq"), ("kvgrad", "kvzip+"), ("kvzip+", "kvzip"), ("kvzap", "kvzip+"),
+              ("kvzap:kind=linear", "kvzap"), ("leverage", "kvzip+"), ("compactor", "leverage")]  # fmt: skip
+    out["leaderboard-2026"] = pairs_table(rows, family)  # issue #48's family, question-aware
     laq = [(m, "snapkv") for m in ("laq", "laq++", "laq-ada", "laq-lava")] + [("laq-ada", "ada-snapkv")]
     out["laq"] = pairs_table(rows, laq)
     out["laq-every-ratio"] = pairs_table(rows, laq, tasks=EVERY_RATIO)
@@ -652,7 +655,7 @@ SAME_METHOD_PAIRS = [
         ("tova", "tova"), ("observed_attention", "observed-attention"), ("streaming_llm", "streamingllm"),
         ("snapkv", "snapkv"), ("adakv_snapkv", "ada-snapkv"), ("pyramidkv", "pyramidkv"),
         ("compactor", "compactor"), ("snapkv@paper", "snapkv"), ("adakv_snapkv@paper", "ada-snapkv"),
-        ("pyramidkv@paper", "pyramidkv"), ("chunkkv", "chunkkv"),
+        ("pyramidkv@paper", "pyramidkv"), ("chunkkv", "chunkkv"), ("kvgrad", "kvgrad"),
         # AdaKV's head split over Compactor's scores; the head floors differ (kvpress's safeguard,
         # AdaKV's n_h(1 − α) + α·B' here), so the kept positions are not the same
         ("adakv_compactor", "compactor:head_alloc=ada"),

@@ -51,14 +51,41 @@ def screen_agreement(scored: dict[str, dict[tuple[str, int], dict]], ours: str, 
     return f"`{press}` {ct.same_answers(scored, press, ours, common)} of {len(common)}"
 
 
-def same_method_note(agreements: list[str]) -> str:
+def partial_run_agreement(rows: list[dict], ratio: float, ours: str, press: str) -> str | None:
+    """Where ``press`` has rows at ``ratio`` beyond the screen's but has not finished the tasks the
+    line is over: its mean and kvbudget's ``ours`` on the samples both ran, and how many answers
+    match; None where it has no such row."""
+    column = ("r", ratio)
+    scored = {
+        label: {(r["task"], r["sample"]): r for r in rows
+                if r["label"] == label and r.get("score") is not None and row_column(r) == column}
+        for label in (ours, press)
+    }  # fmt: skip
+    screened = ct.screen_rows([r for r in rows if r["label"] == press]).get(press, {})
+    common = [k for k in scored[press] if k in scored[ours] and k not in screened]
+    if not common:
+        return None
+    tasks = len({task for task, _ in common})
+    mean = {label: 100 * statistics.mean(scored[label][k]["score"] for k in common) for label in scored}
+    return (
+        f"at r = {ratio:g}, `{press}` has rows for {len(common)} samples, on {tasks} of the tasks: "
+        f"{mean[press]:.1f} against `{ours}`'s {mean[ours]:.1f} on them, the same answer "
+        f"on {ct.same_answers(scored, press, ours, common)} of {len(common)}"
+    )
+
+
+def same_method_note(agreements: list[str], partial: list[str] | None = None) -> str:
     """The footnote for the lines whose kvbudget best is a method kvpress ships too but has not run
     there: the difference is then against another press, not against kvpress's own version."""
     return (
-        f"{MARK} A method kvpress ships too, whose press has not run on these tasks at this ratio: the "
-        "difference is against kvpress's best press that has, not against kvpress's own version. "
+        f"{MARK} A method kvpress ships too, whose press has not run (or not finished) these tasks at "
+        "this ratio: the difference is against kvpress's best press that has, not against kvpress's "
+        "own version. "
         "The two keep the same positions (tests/test_kvpress_oracle.py); on the screen's samples "
-        "(question-agnostic, r = 0.5) the press gave kvbudget's answer on " + ", ".join(agreements) + "."
+        "(question-agnostic, r = 0.5) the press gave kvbudget's answer on "
+        + ", ".join(agreements)
+        + "."
+        + "".join(f" Question-agnostic, {note}." for note in partial or [])
     )
 
 
@@ -69,6 +96,7 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
     footnoted under the table (the screen's agreement from the question-agnostic track's rows)."""
     screened = ct.screen_rows(next((rows for track, rows in tracks if track == "question-agnostic"), []))
     notes: dict[str, str] = {}
+    partial: list[str] = []
     lines = [
         "| track | r | kvbudget's best (held to the budget) | kvpress's best "
         "| kvbudget − kvpress [95% CI] | tasks |",
@@ -93,11 +121,14 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
             if press is not None and press not in pair.peer_labels:
                 ours += f" {MARK}"
                 notes.setdefault(press, screen_agreement(screened, pair.ours, press))
+                if track == "question-agnostic":
+                    started = partial_run_agreement(rows, ratio, pair.ours, press)
+                    partial += [started] if started else []
             lines.append(
                 f"| {track} | {ratio:g} | {ours} | {peer} | {ct._cell(pair.diff)} | {len(pair.tasks)} |"
             )
     if notes:
-        lines += ["", same_method_note(list(notes.values()))]
+        lines += ["", same_method_note(list(notes.values()), partial)]
     return lines
 
 

@@ -489,3 +489,13 @@ def test_the_footnote_adds_a_press_run_begun_but_not_finished_at_the_lines_ratio
         "Question-agnostic, at r = 0.875, `kvpress:kvgrad` has rows for 20 samples, on 1 of the "
         "tasks: 100.0 against `kvgrad`'s 90.0 on them, the same answer on 19 of 20."
     )
+
+
+def test_tables_name_a_tuned_profile_instead_of_printing_its_path():
+    module = _load()
+    path = "lab/results/claims-baklava/profile.json"
+    out = module.name_tuned_profiles({"verdicts": [f"| baklava:profile={path} − streamingllm | +0.4 |",
+                                                   "| baklava − streamingllm | −7.7 |"]})  # fmt: skip
+    expected = ["| baklava (tuned) − streamingllm | +0.4 |", "| baklava − streamingllm | −7.7 |"]
+    assert out["verdicts"] == expected
+    assert path not in "".join(out["verdicts"])

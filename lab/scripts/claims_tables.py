@@ -632,7 +632,13 @@ def blocks(args: argparse.Namespace) -> dict[str, list[str]]:
             [r for r in load_rows(args.check / "results.jsonl") if r.get("error") is None]
         )
     out.update(agnostic_blocks(args.agnostic, rows))
-    return out
+    return name_tuned_profiles(out)
+
+
+def name_tuned_profiles(out: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The tuned BaKlaVa rows' labels carry their profile's path: every table names them "(tuned)"."""
+    tuned = f":profile={BAKLAVA_PROFILE}"
+    return {name: [line.replace(tuned, " (tuned)") for line in lines] for name, lines in out.items()}
 
 
 #: The question-agnostic track's pairs: the query-free scores (made for this track) against the

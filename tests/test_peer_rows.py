@@ -99,30 +99,59 @@ def _grid() -> list[dict]:
 
 
 def test_best_versus_best_per_ratio_from_hand_made_rows():
-    pairs = {pair.column: pair for pair in best_versus_best(across_tasks(_grid()))}
+    rows = _grid()
+    pairs = {pair.column: pair for pair in best_versus_best(across_tasks(rows), rows)}
     assert set(pairs) == {("r", 0.5), ("r", 0.75), ("r", 0.875)}  # not B=64: no kvpress row there
     half = pairs[("r", 0.5)]
     assert (half.ours, half.theirs) == (["A"], ["kvpress:x"])  # kvpress:z (1.0 on t1 alone) left out
     assert (half.ours_score.mean, half.ours_score.low, half.ours_score.high) == (0.75, 0.5, 1.0)
     assert (half.theirs_score.mean, half.theirs_score.low, half.theirs_score.high) == (0.625, 0.5, 0.875)
-    assert half.overlap is True
+    # paired: t1 differs by 0 on every sample, t2 by [0, 1, 0, 0]: (0 + 0.25) / 2; a resample of t2
+    # draws no 1 with chance (3/4)^4 ≈ 0.32 (the low end 0) and three or more with chance ≈ 0.051
+    # (the high end (0 + 3/4) / 2)
+    assert half.difference.difference.mean == 0.125 and half.difference.difference.low == 0.0
+    assert half.verdict == "no clear difference (the interval holds 0)"
     three = pairs[("r", 0.75)]
-    assert (three.ours, three.theirs, three.overlap) == (["A"], ["kvpress:x"], False)
+    assert (three.ours, three.theirs) == (["A"], ["kvpress:x"])
     assert (three.theirs_score.mean, three.theirs_score.low, three.theirs_score.high) == (0.25, 0.0, 0.5)
+    # t1 differs by 1 on every sample, t2 by [0, 0, 1, 1]: the mean 0.75, never below (1 + 0) / 2
+    assert three.difference.difference.mean == 0.75 and three.difference.difference.low >= 0.5
+    assert three.verdict == "kvbudget ahead"
     tight = pairs[("r", 0.875)]
-    assert (tight.ours, tight.theirs, tight.overlap) == (["A", "B"], ["kvpress:x", "kvpress:y"], False)
+    assert (tight.ours, tight.theirs) == (["A", "B"], ["kvpress:x", "kvpress:y"])
+    d = tight.difference.difference
+    assert (d.mean, d.low, d.high) == (-1.0, -1.0, -1.0) and tight.verdict == "kvpress ahead"
+    assert best_versus_best(across_tasks(rows))[0].verdict == "–"  # without the rows: no difference
 
-    lines = best_versus_best_lines(across_tasks(_grid()))
+    lines = best_versus_best_lines(across_tasks(rows), rows)
     assert lines[-3:] == [
-        "| r=0.5 | A | 75.0 [50.0, 100.0] | kvpress:x | 62.5 [50.0, 87.5] | intervals overlap: no clear "
-        "difference |",
-        "| r=0.75 | A | 100.0 [100.0, 100.0] | kvpress:x | 25.0 [0.0, 50.0] | intervals disjoint: kvbudget "
-        "ahead |",
-        "| r=0.875 | A, B | 0.0 [0.0, 0.0] | kvpress:x, kvpress:y | 100.0 [100.0, 100.0] | intervals "
-        "disjoint: kvpress ahead |",
+        "| r=0.5 | A | 75.0 [50.0, 100.0] | kvpress:x | 62.5 [50.0, 87.5] | +12.5 [+0.0, +37.5] "
+        "| no clear difference (the interval holds 0) |",
+        "| r=0.75 | A | 100.0 [100.0, 100.0] | kvpress:x | 25.0 [0.0, 50.0] | +75.0 [+50.0, +100.0] "
+        "| kvbudget ahead |",
+        "| r=0.875 | A, B | 0.0 [0.0, 0.0] | kvpress:x, kvpress:y | 100.0 [100.0, 100.0] "
+        "| -100.0 [-100.0, -100.0] | kvpress ahead |",
     ]
-    ours_only = [r for r in _grid() if not r["label"].startswith("kvpress:")]
-    assert best_versus_best_lines(across_tasks(ours_only)) == []
+    ours_only = [r for r in rows if not r["label"].startswith("kvpress:")]
+    assert best_versus_best_lines(across_tasks(ours_only), ours_only) == []
+
+
+def test_best_versus_best_leaves_out_methods_that_keep_more_than_the_budget():
+    """PyramidInfer keeps the full cache below its cut (``exceeds_budget``): it scores 1 everywhere
+    at r = 0.5 but kvbudget's best held to the budget is still A, and the table says who was left out."""
+    from kvbudget.eval.report import beyond_budget_labels
+
+    extra = [_row(t, "pyramidinfer", i, 1.0, 0.5) for t in ("t1", "t2") for i in range(4)]
+    rows = _grid() + extra
+    beyond = beyond_budget_labels(rows)
+    assert beyond == {"pyramidinfer"}
+    summary = across_tasks(rows)
+    assert summary.scores[("r", 0.5)]["pyramidinfer"].mean == 1.0  # it is ranked, just not the best
+    half = {p.column: p for p in best_versus_best(summary, rows, beyond)}[("r", 0.5)]
+    assert half.ours == ["A"]
+    assert {p.column: p for p in best_versus_best(summary, rows)}[("r", 0.5)].ours == ["pyramidinfer"]
+    lines = best_versus_best_lines(summary, rows, beyond)
+    assert lines[-1].endswith("(they keep more than the budget by design): pyramidinfer.")
 
 
 def test_report_marks_kvpress_rows_and_says_where_the_best_stand(tmp_path):
@@ -131,7 +160,9 @@ def test_report_marks_kvpress_rows_and_says_where_the_best_stand(tmp_path):
     assert f"Rows labelled `kvpress:NAME` are NVIDIA kvpress's presses ({VERSIONS}," in text
     across = text.split("## Across tasks")[1].split("\n## ")[0]
     assert "### kvbudget's best method vs kvpress's best press" in across
-    assert "| r=0.75 | A | 100.0 [100.0, 100.0] | kvpress:x | 25.0 [0.0, 50.0] |" in across
+    assert "| r=0.75 | A | 100.0 [100.0, 100.0] | kvpress:x | 25.0 [0.0, 50.0] | +75.0 [+50.0, +100.0] |" in (
+        across
+    )
     t1 = text.split("\n## t1\n")[1].split("\n## ")[0]  # columns B=64, r=0.5, r=0.75, r=0.875
     assert "\n| kvpress:x | – | 100.0 [100.0, 100.0] | 0.0 [0.0, 0.0] | 100.0 [100.0, 100.0] | 4 |" in t1
     assert "\n| kvpress:z | – | 100.0 [100.0, 100.0] | – | – | 4 | 100.0 [100.0, 100.0] | – | – |" in t1

@@ -662,6 +662,7 @@ SAME_METHOD_PAIRS = [
         ("snapkv", "snapkv"), ("adakv_snapkv", "ada-snapkv"), ("pyramidkv", "pyramidkv"),
         ("compactor", "compactor"), ("snapkv@paper", "snapkv"), ("adakv_snapkv@paper", "ada-snapkv"),
         ("pyramidkv@paper", "pyramidkv"), ("chunkkv", "chunkkv"), ("kvgrad", "kvgrad"),
+        ("leverage", "leverage"),
         # AdaKV's head split over Compactor's scores; the head floors differ (kvpress's safeguard,
         # AdaKV's n_h(1 − α) + α·B' here), so the kept positions are not the same
         ("adakv_compactor", "compactor:head_alloc=ada"),

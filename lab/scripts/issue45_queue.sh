@@ -127,4 +127,12 @@ step "2026 family aware" $RUN lab/results/leaderboard --compression-ratios 0.875
 #    (about a minute a row, two hours).
 step "kvpress kvgrad agnostic 0.875" $RUN lab/results/leaderboard-agnostic --agnostic \
   --compression-ratios 0.875 --tasks $CORE --peer-presses kvgrad
+# 9. kvpress's LeverageScore question-agnostic on every sample (#48 names it among the presses to
+#    beat; its random sketches come from torch's global generator, so its kept positions need not be
+#    kvbudget's `leverage`'s). The ratios where kvbudget's `leverage` is within a few points of
+#    kvpress's best press first; one step per ratio, so a stop leaves whole ratios behind it.
+for ratio in 0.875 0.75 0.25 0.5; do
+  step "kvpress leverage agnostic $ratio" $RUN lab/results/leaderboard-agnostic --agnostic \
+    --compression-ratios $ratio --tasks $CORE --peer-presses leverage
+done
 echo "=== $(date -u +%FT%TZ) queue finished"

@@ -25,8 +25,11 @@ Rows labelled ``kvpress:NAME`` are NVIDIA kvpress's presses run on the same samp
 (``kvbudget eval --peer-presses``, :mod:`kvbudget.eval.peer_rows`): they are ranked and averaged
 beside kvbudget's methods, and the across-tasks section adds, per column where they ran, kvbudget's
 best method against kvpress's best press — each the highest mean score over the column's tasks
-among its side's methods scored on every task there — with both intervals and whether they overlap
-(overlapping intervals: no difference shown at this sample size).
+among its side's methods scored on every task there; kvbudget's side leaves out the methods that
+keep more than the budget by design (``exceeds_budget``: ASL's full-cache variant, PyramidInfer) —
+with both intervals and the paired difference kvbudget − kvpress on the samples both scored, with
+its 95 % interval (:func:`kvbudget.eval.paired.paired_difference`; an interval holding 0 is no
+win).
 
 PNGs: score vs budget (and vs ratio) per task with the intervals as error bars, needle heatmaps
 (length × depth) per method and budget, per-layer/per-head budget maps; for prune-stage methods,
@@ -50,6 +53,7 @@ from kvbudget.eval.intervals import (
     bootstrap_mean,
     bootstrap_mean_over_groups,
 )
+from kvbudget.eval.paired import PairedDifference, paired_difference
 from kvbudget.eval.store import load_rows, no_results_message
 from kvbudget.models import describe_weights
 
@@ -311,72 +315,112 @@ def across_tasks_tables(summary: AcrossTasks) -> list[str]:
 @dataclass
 class BestVersusBest:
     """One column's best of each side: ``ours`` / ``theirs`` the labels sharing the highest mean
-    score over the column's tasks among kvbudget's methods / kvpress's presses (full-cache labels
-    left out), with that score's interval; empty where a side has no label scored there."""
+    score over the column's tasks among kvbudget's methods held to the budget / kvpress's presses
+    (full-cache labels left out), with that score's interval; ``difference``: the paired
+    ``ours[0] − theirs[0]`` on the samples both scored in the column."""
 
     column: Column
     ours: list[str]
     ours_score: Interval | None
     theirs: list[str]
     theirs_score: Interval | None
-
-    @property
-    def overlap(self) -> bool | None:
-        """Whether the two intervals share a point (``None`` without both)."""
-        a, b = self.ours_score, self.theirs_score
-        if a is None or b is None:
-            return None
-        return a.low <= b.high and b.low <= a.high
+    difference: PairedDifference | None = None
 
     @property
     def verdict(self) -> str:
-        if self.overlap is None:
+        """From the paired difference's interval: a side ahead only where it excludes 0."""
+        if self.difference is None:
             return "–"
-        if self.overlap:
-            return "intervals overlap: no clear difference"
-        assert self.ours_score is not None and self.theirs_score is not None
-        ahead = "kvbudget" if self.ours_score.mean > self.theirs_score.mean else "kvpress"
-        return f"intervals disjoint: {ahead} ahead"
+        d = self.difference.difference
+        if d.low > 0:
+            return "kvbudget ahead"
+        if d.high < 0:
+            return "kvpress ahead"
+        return "no clear difference (the interval holds 0)"
 
 
-def best_versus_best(summary: AcrossTasks) -> list[BestVersusBest]:
-    """Per column where a kvpress press was scored on every task: kvbudget's best method against
-    kvpress's best press by mean score over the tasks (ties: every label sharing the best mean)."""
+def beyond_budget_labels(rows: list[dict]) -> frozenset[str]:
+    """The labels of rows whose method keeps more than the budget by design (a registered method's
+    ``exceeds_budget``); kvpress's presses and unregistered names are not among them."""
+    from kvbudget.methods.registry import method_info, method_names  # torch: only when asked
+
+    known = set(method_names())
+    return frozenset(
+        r["label"] for r in rows
+        if r.get("method") in known and method_info(r["method"]).exceeds_budget
+    )  # fmt: skip
+
+
+def best_versus_best(
+    summary: AcrossTasks,
+    rows: list[dict] | None = None,
+    beyond_budget: frozenset[str] = frozenset(),
+    resamples: int = DEFAULT_RESAMPLES,
+) -> list[BestVersusBest]:
+    """Per column where a kvpress press was scored on every task: kvbudget's best method held to the
+    budget (``beyond_budget`` labels left out) against kvpress's best press by mean score over the
+    tasks (ties: every label sharing the best mean, sorted by name), and with ``rows`` the paired
+    difference of the first of each."""
     result = []
     for column in summary.columns:
         cell = {lab: iv for lab, iv in summary.scores[column].items() if lab not in summary.reference}
         sides = []
         for peer in (False, True):
-            mine = {lab: iv for lab, iv in cell.items() if is_peer(lab) == peer}
+            mine = {lab: iv for lab, iv in cell.items() if is_peer(lab) == peer and lab not in beyond_budget}
             top = max((iv.mean for iv in mine.values()), default=0.0)
             best = sorted(lab for lab, iv in mine.items() if round(iv.mean - top, 12) == 0)
             sides.append((best, mine[best[0]] if best else None))
         (ours, ours_score), (theirs, theirs_score) = sides
-        if theirs:
-            result.append(BestVersusBest(column, ours, ours_score, theirs, theirs_score))
+        if not theirs:
+            continue
+        difference = None
+        if rows is not None and ours:
+            scored = [r for r in rows if r["metric"] != "perplexity" and r.get("score") is not None]
+            tasks = summary.tasks[column]
+            difference = paired_difference(scored, ours[0], theirs[0], column, tasks, resamples)
+        result.append(BestVersusBest(column, ours, ours_score, theirs, theirs_score, difference))
     return result
 
 
-def best_versus_best_lines(summary: AcrossTasks) -> list[str]:
+def best_versus_best_lines(
+    summary: AcrossTasks,
+    rows: list[dict] | None = None,
+    beyond_budget: frozenset[str] = frozenset(),
+    resamples: int = DEFAULT_RESAMPLES,
+) -> list[str]:
     """Markdown lines: the :func:`best_versus_best` table, or nothing without kvpress rows."""
-    pairs = best_versus_best(summary)
+    pairs = best_versus_best(summary, rows, beyond_budget, resamples)
     if not pairs:
         return []
     lines = [
         "### kvbudget's best method vs kvpress's best press",
         "",
         "Per column, the highest mean score over the column's tasks on each side (methods scored on every "
-        "task there; ties list every label), with its 95% interval.",
+        "task there; ties list every label), with its 95% interval, and the paired difference of the two "
+        "(the first of tied labels) on the samples both scored, with its 95% interval: a side is ahead "
+        "only where that interval excludes 0.",
         "",
-        "| column | kvbudget's best | score | kvpress's best | score | verdict |",
-        "|---|---|---|---|---|---|",
+        "| column | kvbudget's best | score | kvpress's best | score | kvbudget − kvpress | verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     for pair in pairs:
         lines.append(
             f"| {_column_label(pair.column)} | {', '.join(pair.ours) or '–'} | {_cell(pair.ours_score)} "
-            f"| {', '.join(pair.theirs)} | {_cell(pair.theirs_score)} | {pair.verdict} |"
+            f"| {', '.join(pair.theirs)} | {_cell(pair.theirs_score)} | {_difference_cell(pair.difference)} "
+            f"| {pair.verdict} |"
         )
+    left = sorted(beyond_budget & {lab for pair in pairs for lab in summary.scores[pair.column]})
+    if left:
+        lines += ["", "Left out of kvbudget's side (they keep more than the budget by design): "
+                  + ", ".join(left) + "."]  # fmt: skip
     return lines
+
+
+def _difference_cell(difference: PairedDifference | None) -> str:
+    if difference is None:
+        return "–"
+    d = difference.difference
+    return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -647,7 +691,8 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
     summary = across_tasks(ok, resamples)
     if summary.columns:
         lines += ["## Across tasks", "", *across_tasks_tables(summary), ""]
-        versus = best_versus_best_lines(summary)
+        beyond = beyond_budget_labels(ok) if any(is_peer(r["label"]) for r in ok) else frozenset()
+        versus = best_versus_best_lines(summary, ok, beyond, resamples)
         if versus:
             lines += [*versus, ""]
         shared = common_tasks(summary)
@@ -658,7 +703,7 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
                 "",
                 *across_tasks_tables(summary),
                 "",
-                *best_versus_best_lines(summary),
+                *best_versus_best_lines(summary, [r for r in ok if r["task"] in shared], beyond, resamples),
                 "",
             ]
         for kind, name in (("B", "budget"), ("r", "ratio")):

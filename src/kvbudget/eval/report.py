@@ -331,12 +331,15 @@ class BestVersusBest:
         """From the paired difference's interval: a side ahead only where it excludes 0."""
         if self.difference is None:
             return "–"
-        d = self.difference.difference
-        if d.low > 0:
-            return "kvbudget ahead"
-        if d.high < 0:
-            return "kvpress ahead"
-        return "no clear difference (the interval holds 0)"
+        return _VERDICTS[self.difference.verdict]
+
+
+#: :attr:`PairedDifference.verdict` of kvbudget − kvpress, said of the two sides
+_VERDICTS = {
+    "ahead": "kvbudget ahead",
+    "behind": "kvpress ahead",
+    "no clear difference": "no clear difference (the interval holds 0)",
+}
 
 
 def beyond_budget_labels(rows: list[dict]) -> frozenset[str]:
@@ -374,10 +377,9 @@ def best_versus_best(
         if not theirs:
             continue
         difference = None
-        if rows is not None and ours:
-            scored = [r for r in rows if r["metric"] != "perplexity" and r.get("score") is not None]
+        if rows is not None and ours:  # over the column's tasks (perplexity is never among them)
             tasks = summary.tasks[column]
-            difference = paired_difference(scored, ours[0], theirs[0], column, tasks, resamples)
+            difference = paired_difference(rows, ours[0], theirs[0], column, tasks, resamples)
         result.append(BestVersusBest(column, ours, ours_score, theirs, theirs_score, difference))
     return result
 
@@ -703,7 +705,7 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
                 "",
                 *across_tasks_tables(summary),
                 "",
-                *best_versus_best_lines(summary, [r for r in ok if r["task"] in shared], beyond, resamples),
+                *best_versus_best_lines(summary, ok, beyond, resamples),
                 "",
             ]
         for kind, name in (("B", "budget"), ("r", "ratio")):

@@ -32,7 +32,7 @@ from kvbudget.prefill.common import forward_last_logits
 from kvbudget.prefill.common import prefill_inputs as prefill_inputs
 from kvbudget.prefill.layerwise import prefill as prefill
 from kvbudget.prefill.layerwise import prefill_batch as prefill_batch
-from kvbudget.session import CompressionSession, Phase
+from kvbudget.session import CompressionSession
 from kvbudget.static_cache import StaticBudgetCache
 from kvbudget.static_decode import StaticDecoder, static_refusal
 
@@ -156,11 +156,16 @@ def check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int])
             )
 
 
+#: temperatures below this sample greedily (dividing the logits by a vanishing one overflows)
+GREEDY_BELOW = 1e-5
+
+
 def next_token(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
 ) -> torch.Tensor:
-    """``logits: [b, vocab]`` → ``[b]`` token ids (greedy when ``temperature == 0``)."""
-    if temperature <= 0:
+    """``logits: [b, vocab]`` → ``[b]`` token ids (greedy when ``temperature`` is below
+    :data:`GREEDY_BELOW`: its limit, where dividing by it would overflow, as vLLM does)."""
+    if temperature < GREEDY_BELOW:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
@@ -280,7 +285,7 @@ def decode_loop(
     first_start = time.perf_counter()
     generator = generator or torch.Generator().manual_seed(0)
     if cache.session is not None:
-        cache.session.phase = Phase.DECODE
+        cache.session.begin_decode()
     token = next_token(logits, temperature, top_p, generator)
     generated = [[int(t)] for t in token]
     finished = torch.tensor([int(t) in eos for t in token])
@@ -328,7 +333,7 @@ def static_decode_loop(
     """
     first_start = time.perf_counter()
     if cache.session is not None:
-        cache.session.phase = Phase.DECODE
+        cache.session.begin_decode()
     token = logits.argmax(-1)
     first = token.tolist()
     first_token_seconds = time.perf_counter() - first_start
@@ -521,5 +526,5 @@ def compress(
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = PrefillInputs(input_ids, attention_mask, positions, input_ids.shape[1])
     cache, _, _ = prefill_batch(model, inputs, session)
-    session.phase = Phase.DECODE
+    session.begin_decode()
     return cache

@@ -19,9 +19,9 @@ def pool_keys(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
     ``count_include_pad``), as SnapKV does. ``kernel`` must be odd (the length is preserved);
     ``pooling="none"`` or ``kernel=1`` returns the scores unchanged.
     """
-    if pooling == "none" or kernel <= 1:
-        return scores
     b, h, n = scores.shape
+    if pooling == "none" or kernel <= 1 or n == 0:  # n == 0: every key is in the window (a short prompt)
+        return scores
     flat = scores.reshape(b * h, 1, n)
     if pooling == "max":
         pooled = F.max_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)

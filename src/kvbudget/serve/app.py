@@ -20,23 +20,31 @@ import json
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.extras import needs_extra
+from kvbudget.serve.logs import access_line, access_log, log
 from kvbudget.serve.openai_api import (
     APIError,
     Request,
     chunk_body,
     completion_body,
-    parse_json,
     parse_request,
     response_id,
     usage_chunk,
 )
-from kvbudget.serve.scheduler import Job, Metrics, QueueFull, Scheduler
+from kvbudget.serve.scheduler import Job, Metrics, QueueFull, Scheduler, TooLarge
+from kvbudget.serve.schema import quote
 
+#: bytes a request body may have by default (``--max-body``): some 30 times the text of the default
+#: model's whole context, with room for JSON's escapes and a conversation's history
+DEFAULT_MAX_BODY = 1 << 20
+#: where :class:`Observed` keeps a request's access record in the ASGI scope
+RECORD_KEY = "kvbudget.access"
 #: seconds a client waits before retrying after a 429 (queue full)
 RETRY_AFTER_S = 1
 #: how often a non-streamed request checks that its client is still there
@@ -71,17 +79,29 @@ def prometheus_metrics() -> tuple[Any, Metrics]:
 
 @needs_extra("serve", "kvbudget serve")
 def create_app(
-    scheduler: Scheduler, model_name: str, registry: Any = None, api_key: str | None = None
+    scheduler: Scheduler,
+    model_name: str,
+    registry: Any = None,
+    api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    max_prompt_tokens: int | None = None,
 ) -> Any:
     """The Starlette app serving ``scheduler``'s model as ``model_name``. ``registry``: the
     Prometheus registry of :func:`prometheus_metrics` (a fresh one when ``None``: its histograms
-    then stay empty). The scheduler is started with the app and stopped with it."""
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+    then stay empty). ``max_body``: bytes a request body may have (larger: 413, before parsing);
+    ``max_prompt_tokens``: tokens a prompt may have (default: the model's context). The scheduler is
+    started with the app and stopped with it."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
     from starlette.applications import Starlette
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    if max_body < 1:
+        raise InputError(f"the body limit must be positive, got {max_body} bytes")
+    prompt_limit = max_prompt_tokens if max_prompt_tokens is not None else scheduler.max_context
+    if prompt_limit < 1:
+        raise InputError(f"the prompt token limit must be positive, got {prompt_limit}")
     registry = registry if registry is not None else CollectorRegistry()
     gauges = {
         name: Gauge(f"kvbudget_{name}", text, registry=registry)
@@ -93,10 +113,22 @@ def create_app(
             "kept_turns": "Finished turns kept for follow-ups",
         }.items()
     }  # fmt: skip
+    counters = Counters(
+        requests=Counter("kvbudget_requests", "HTTP requests answered, by route and status",
+                         ["route", "status"], registry=registry),
+        rejected=Counter("kvbudget_rejected_requests", "Requests refused (4xx), by reason", ["reason"],
+                         registry=registry),
+        reused=Counter("kvbudget_reused_prompt_tokens", "Prompt tokens served from a kept turn's cache",
+                       registry=registry),
+    )  # fmt: skip
     tokenizer = scheduler.tokenizer
 
-    def error(exc: APIError) -> JSONResponse:
+    def error(exc: APIError, request: HTTPRequest | None = None) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+        if 400 <= exc.status < 500:
+            counters.rejected.labels(reason=exc.reason()).inc()
+        if request is not None:
+            record(request)["error"] = exc.reason()
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     def authorised(request: HTTPRequest) -> bool:
@@ -128,7 +160,7 @@ def create_app(
             gauges[name].set(stats[key])
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def submit(parsed: Request) -> tuple[Job, asyncio.Queue]:
+    def submit(parsed: Request, rid: str) -> tuple[Job, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -139,29 +171,51 @@ def create_app(
             job = scheduler.submit(
                 parsed.prompt_ids, sink, max_tokens=parsed.max_tokens, compression=parsed.compression,
                 temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed, stop=parsed.stop,
-                ignore_eos=parsed.ignore_eos,
+                ignore_eos=parsed.ignore_eos, request_id=rid,
             )  # fmt: skip
         except QueueFull as exc:
             raise APIError(429, str(exc), None, "queue_full", "rate_limit_error") from None
+        except TooLarge as exc:
+            raise APIError(400, str(exc), None, "over_memory_cap") from None
         except InputError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             raise APIError(400, str(exc), None, code) from None
         except KVBudgetError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), "kvbudget") from None
         return job, events
+
+    def finished(request: HTTPRequest, event: dict[str, Any]) -> None:
+        """Note a finished answer in the request's access record and the counters."""
+        usage = event["usage"]
+        reused = usage["kvbudget"]["reused_tokens"]
+        if reused:
+            counters.reused.inc(reused)
+        record(request).update(
+            completion_tokens=usage["completion_tokens"], ttft_s=event.get("ttft_s"),
+            kv_bytes=usage["kvbudget"]["kv_bytes"],
+        )  # fmt: skip
+
+    def failed(request: HTTPRequest, event: dict[str, Any]) -> APIError:
+        record(request)["error"] = "server_error"
+        message = f"the server failed on this request (request id {record(request)['id']}): {event['error']}"
+        return APIError(500, message, None, "server_error", "server_error")
 
     async def complete(request: HTTPRequest, endpoint: str) -> Response:
         if not authorised(request):
             return unauthorised()
+        rid = record(request)["id"]
         try:
-            parsed = parse_request(endpoint, parse_json(await request.body()), model_name, tokenizer,
-                                   scheduler.default)  # fmt: skip
-            job, events = submit(parsed)
+            raw = await read_body(request, max_body)
+            parsed = parse_request(endpoint, raw, model_name, tokenizer, scheduler.default, prompt_limit)
+            record(request)["prompt_tokens"] = len(parsed.prompt_ids)
+            job, events = submit(parsed, rid)
         except APIError as exc:
-            return error(exc)
-        rid = response_id(endpoint)
+            return error(exc, request)
+        response_name = response_id(endpoint)
         if parsed.stream:
-            return StreamingResponse(stream(parsed, rid, job, events), media_type="text/event-stream")
+            return StreamingResponse(
+                stream(request, parsed, response_name, job, events), media_type="text/event-stream"
+            )
         text = []
         while True:
             try:
@@ -169,39 +223,46 @@ def create_app(
             except TimeoutError:
                 if await request.is_disconnected():
                     job.cancel()
+                    record(request)["error"] = "client_disconnected"
                     return Response(status_code=499)
                 continue
             except asyncio.CancelledError:  # the server cancels it (Ray Serve does when the client leaves)
                 job.cancel()
                 raise
             if "error" in event:
-                return error(APIError(500, event["error"], None, "server_error", "server_error"))
+                return error(failed(request, event))
             if "text" in event:
                 text.append(event["text"])
             if "finish_reason" in event:
+                finished(request, event)
                 body = completion_body(
-                    parsed, rid, model_name, "".join(text), event["finish_reason"], event["usage"]
+                    parsed, response_name, model_name, "".join(text), event["finish_reason"], event["usage"]
                 )
                 return JSONResponse(body)
 
-    async def stream(parsed: Request, rid: str, job: Job, events: asyncio.Queue) -> AsyncIterator[str]:
+    async def stream(
+        request: HTTPRequest, parsed: Request, name: str, job: Job, events: asyncio.Queue
+    ) -> AsyncIterator[str]:
         first = True
         try:
             while True:
                 event = await events.get()
                 if "error" in event:
-                    yield _sse(APIError(500, event["error"], None, "server_error", "server_error").body())
+                    yield _sse(failed(request, event).body())
                     break
                 if "text" in event:
-                    yield _sse(chunk_body(parsed, rid, model_name, event["text"], None, first))
+                    yield _sse(chunk_body(parsed, name, model_name, event["text"], None, first))
                     first = False
                 if "finish_reason" in event:
-                    yield _sse(chunk_body(parsed, rid, model_name, None, event["finish_reason"], first))
+                    finished(request, event)
+                    yield _sse(chunk_body(parsed, name, model_name, None, event["finish_reason"], first))
                     if parsed.include_usage:
-                        yield _sse(usage_chunk(parsed, rid, model_name, event["usage"]))
+                        yield _sse(usage_chunk(parsed, name, model_name, event["usage"]))
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the generator is closed) or the answer ended: either way
+            if not job.done:
+                record(request).setdefault("error", "client_disconnected")
             job.cancel()  # a finished job ignores it
 
     async def chat(request: HTTPRequest) -> Response:
@@ -211,10 +272,12 @@ def create_app(
         return await complete(request, "completions")
 
     async def not_found(request: HTTPRequest, exc: Exception) -> Response:
-        return error(APIError(404, f"no route {request.method} {request.url.path}", None, "not_found"))
+        return error(APIError(404, f"no route {request.method} {quote(request.url.path)}", None, "not_found"),
+                     request)  # fmt: skip
 
     async def method_not_allowed(request: HTTPRequest, exc: Exception) -> Response:
-        return error(APIError(405, f"{request.method} is not allowed on {request.url.path}"))
+        message = f"{request.method} is not allowed on {quote(request.url.path)}"
+        return error(APIError(405, message, None, "method_not_allowed"), request)
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -232,9 +295,95 @@ def create_app(
         finally:
             await asyncio.to_thread(scheduler.stop)
 
-    return Starlette(
+    app = Starlette(
         routes=routes, exception_handlers={404: not_found, 405: method_not_allowed}, lifespan=lifespan
     )
+    app.add_middleware(Observed, counters=counters, routes={route.path for route in routes})
+    return app
+
+
+@dataclass
+class Counters:
+    """The Prometheus counters the HTTP side feeds."""
+
+    requests: Any
+    rejected: Any
+    reused: Any
+
+
+def record(request: Any) -> dict[str, Any]:
+    """The access record :class:`Observed` keeps for ``request`` (filled by the handlers)."""
+    return request.scope[RECORD_KEY]
+
+
+class Observed:
+    """ASGI middleware around the app: gives each HTTP request an id (``x-request-id`` header), logs
+    its access line when the response ends, counts it by route and status, and turns anything that
+    escapes the app into one log line (a 500 in OpenAI's error format if nothing was sent yet) instead
+    of a traceback."""
+
+    def __init__(self, app: Any, counters: Counters, routes: set[str]) -> None:
+        self.app, self.counters, self.routes = app, counters, routes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        entry: dict[str, Any] = {"id": "req-" + uuid.uuid4().hex[:24]}
+        scope[RECORD_KEY] = entry
+        status: int | None = None
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", entry["id"].encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # logged in one line; the traceback only at debug level
+            log.error("request %s failed: %s", entry["id"], _one_line(exc))
+            log.debug("request %s", entry["id"], exc_info=True)
+            if status is None:
+                body = APIError(500, f"the server failed on this request (request id {entry['id']})", None,
+                                "server_error", "server_error").body()  # fmt: skip
+                await send_with_id({"type": "http.response.start", "status": 500,
+                                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+            entry.setdefault("error", "server_error")
+        finally:
+            path = scope.get("path", "")
+            shown = status if status is not None else 499
+            access_log.info(access_line(scope.get("method", "-"), quote(path, 80)[1:-1], shown, entry))
+            route = path if path in self.routes else "other"
+            self.counters.requests.labels(route=route, status=str(shown)).inc()
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request's body, refused with a 413 once it passes ``limit`` bytes (by its
+    ``Content-Length`` before reading anything, else while reading)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              "(--max-body)", None, "request_too_large")  # fmt: skip
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, "the Content-Length header is not a number")
+        if int(declared) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from kvbudget.joined_cache import JoinedCache
 from kvbudget.methods.base import Method
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.prefill.common import Prompt, forward_last_logits
-from kvbudget.session import CompressionSession, Phase
+from kvbudget.session import CompressionSession
 
 _ids = itertools.count()
 
@@ -180,20 +180,21 @@ def prefill_sequence(model: PreTrainedModel, seq: Sequence, pad_id: int, reuse: 
         seq.session = session if isinstance(session, CompressionSession) else None
         new = seq.prompt_ids[len(reuse.ids) :]
         if seq.session is not None:
-            seq.session.phase = Phase.OFF
+            seq.session.stop()
         ids = torch.tensor([new])
         positions = torch.arange(seq.last_pos + 1, seq.last_pos + 1 + len(new))[None]
         logits = forward_last_logits(model, ids, torch.ones_like(ids), positions, reuse.cache)
         seq.last_pos += len(new)
     if seq.session is not None:
-        seq.session.phase = Phase.DECODE
+        seq.session.begin_decode()
     return _sample(seq, logits)
 
 
 @torch.inference_mode()
-def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int]:
+def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int | Exception]:
     """One forward over every sequence of ``seqs`` (each fed its pending token at its own position);
-    samples and returns each one's next token."""
+    samples and returns each one's next token, or the exception its sampling raised (that row alone
+    fails; a failed forward raises for all)."""
     device = model.device
     ids = torch.tensor([[s.pending] for s in seqs], device=device)
     positions = torch.tensor([[s.last_pos + 1] for s in seqs], device=device)
@@ -202,10 +203,13 @@ def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int]:
         input_ids=ids, position_ids=positions, past_key_values=joined, use_cache=True, logits_to_keep=1
     )
     logits = out.logits[:, -1]
-    tokens = []
+    tokens: list[int | Exception] = []
     for r, s in enumerate(seqs):
         s.last_pos += 1
-        tokens.append(_sample(s, logits[r : r + 1]))
+        try:
+            tokens.append(_sample(s, logits[r : r + 1]))
+        except Exception as exc:  # noqa: BLE001 - handed to the scheduler, which ends this row
+            tokens.append(exc)
     return tokens
 
 

@@ -7,25 +7,41 @@ token ids), with ``model``, ``max_tokens`` (chat also ``max_completion_tokens``)
 kvbudget's own field, ``kvbudget: {"method": ..., "budget": ... | "ratio": ...}`` (an OpenAI
 client's ``extra_body``), sets the request's compression; the server's flags are the default. Its
 ``ignore_eos: true`` decodes ``max_tokens`` whatever is sampled (for benchmarks, as vLLM's).
-Every problem is an :class:`APIError` with the HTTP status and one line naming it.
+Every problem is an :class:`APIError` with the HTTP status and one line naming it; the request
+schema (types, ranges, lengths, roles, what is not supported) is :mod:`kvbudget.serve.schema`.
+A prompt is counted against the server's token limit while it is tokenized, so a huge one is refused
+after bounded work.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.batcher import Compression
+from kvbudget.serve.schema import (
+    ChatRequest,
+    CompletionRequest,
+    KVBudgetOptions,
+    quote,
+    validation_message,
+)
 
 #: tokens of an answer when the request gives no limit
 DEFAULT_MAX_TOKENS = 256
+#: entries per KV head when neither the request nor the server gives a size (``kvbudget.generate``'s)
+DEFAULT_BUDGET = 128
+#: characters tokenized at a time while counting a prompt against the server's limit
+TOKENIZE_PIECE_CHARS = 8192
+#: characters of an error message at most (messages quote little of the input; this bounds the rest)
+MAX_MESSAGE_CHARS = 400
 
 
 class APIError(Exception):
@@ -40,8 +56,13 @@ class APIError(Exception):
         code: str | None = None,
         kind: str = "invalid_request_error",
     ) -> None:
+        message = message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 1] + "…"
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def reason(self) -> str:
+        """A short name of the refusal (its ``code``, else ``invalid_request``): the metrics' label."""
+        return self.code or ("invalid_request" if self.kind == "invalid_request_error" else self.kind)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -65,161 +86,110 @@ class Request:
     ignore_eos: bool = False
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def parse_request(
+    endpoint: str,
+    raw: bytes,
+    model_name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    default: Compression,
+    max_prompt_tokens: int,
+) -> Request:
+    """Validate the raw body of ``endpoint`` (``"chat"`` or ``"completions"``) against the schema
+    (:mod:`kvbudget.serve.schema`) and tokenize its prompt, refusing one of more than
+    ``max_prompt_tokens`` tokens as soon as the count passes it (:func:`refuse_over_limit`)."""
+    schema = ChatRequest if endpoint == "chat" else CompletionRequest
     try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+        body = schema.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise APIError(400, message, param) from None
+    if body.model != model_name:
+        message = f"the model {quote(body.model)} does not exist: this server serves '{model_name}'"
+        raise APIError(404, message, "model", "model_not_found")
+    compression = resolve_compression(body.kvbudget, default)
+    if isinstance(body, ChatRequest):
+        ids = _chat_ids(body, tokenizer, max_prompt_tokens)
+        max_tokens = body.answer_limit()
+    else:
+        ids = _completion_ids(body, tokenizer, max_prompt_tokens)
+        max_tokens = body.max_tokens
+    options = body.stream_options
+    return Request(
+        endpoint=endpoint, prompt_ids=ids,
+        max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
+        temperature=body.temperature if body.temperature is not None else 0.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        seed=body.seed if body.seed is not None else 0, stop=body.stops(), stream=bool(body.stream),
+        include_usage=bool(options and options.include_usage), compression=compression,
+        ignore_eos=bool(body.kvbudget and body.kvbudget.ignore_eos),
+    )  # fmt: skip
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(400, f"{name} must be a number, got {value!r}", name)
-    if value > high or value < low or (low_open and value == low):
-        interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise APIError(400, f"{name} must be in {interval}, got {value}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"{name} must be an integer, got {value!r}", name)
-    return value
-
-
-def parse_compression(body: dict, default: Compression) -> Compression:
-    """The ``kvbudget`` field (``method``, and ``budget`` or ``ratio``), else ``default``."""
-    spec = body.get("kvbudget")
-    if spec is None:
-        return default
-    if not isinstance(spec, dict):
-        raise APIError(
-            400, 'kvbudget must be an object such as {"method": "snapkv", "ratio": 0.2}', "kvbudget"
-        )
-    unknown = sorted(set(spec) - {"method", "budget", "ratio", "ignore_eos"})
-    if unknown:
-        expected = "method, budget, ratio, ignore_eos"
-        raise APIError(
-            400, f"unknown kvbudget field(s) {', '.join(unknown)}: expected {expected}", "kvbudget"
-        )
-    method = spec.get("method", default.method)
-    if not isinstance(method, str) or not method:
-        raise APIError(400, f"kvbudget.method must be a method name, got {method!r}", "kvbudget.method")
+def resolve_compression(options: KVBudgetOptions | None, default: Compression) -> Compression:
+    """What the request runs: its method (else the server's), its budget or ratio (else the server's,
+    else ``kvbudget.generate``'s default budget); the full cache has neither."""
+    method = options.method if options is not None and options.method is not None else default.method
     try:
         MethodSpec.parse(method)
     except KVBudgetError as exc:
         raise APIError(400, str(exc), "kvbudget.method") from None
-    budget, ratio = spec.get("budget"), spec.get("ratio")
-    if budget is not None and ratio is not None:
-        raise APIError(400, "give kvbudget.budget or kvbudget.ratio, not both", "kvbudget")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-        message = f"kvbudget.budget must be a positive integer (entries per KV head), got {budget!r}"
-        raise APIError(400, message, "kvbudget.budget")
-    if ratio is not None and (
-        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0
-    ):
-        raise APIError(400, f"kvbudget.ratio must be in (0, 1], got {ratio!r}", "kvbudget.ratio")
+    if method == "full":
+        return Compression("full", None, None)
+    budget, ratio = (options.budget, options.ratio) if options is not None else (None, None)
     if budget is None and ratio is None:
         budget, ratio = default.budget, default.ratio
-    return Compression(method, budget, None if ratio is None else float(ratio))
+    if budget is None and ratio is None:
+        budget = DEFAULT_BUDGET
+    return Compression(method, budget, ratio)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", "stop")
-    return tuple(stops)
+def refuse_over_limit(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int, what: str) -> None:
+    """Refuse ``texts`` once they hold clearly more than ``limit`` tokens, tokenizing at most a piece
+    of :data:`TOKENIZE_PIECE_CHARS` characters past that point: the work before a refusal is bounded
+    by ``limit``, not by the body. Pieces split words, so the count is approximate; the exact check
+    follows on the whole prompt (:func:`check_prompt_tokens`)."""
+    bound = limit + limit // 8 + 64
+    count = 0
+    for text in texts:
+        for start in range(0, len(text), TOKENIZE_PIECE_CHARS):
+            piece = text[start : start + TOKENIZE_PIECE_CHARS]
+            count += len(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            if count > bound:
+                raise APIError(
+                    400, f"{what} has more than {limit} tokens, the server's limit (--max-prompt-tokens)",
+                    "messages" if what == "the conversation" else "prompt", "context_length_exceeded",
+                )  # fmt: skip
 
 
-def _chat_ids(body: dict, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a role and a content", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string", "messages")
-        rendered.append({"role": m["role"], "content": content})
+def check_prompt_tokens(ids: list[int], limit: int, what: str, param: str) -> list[int]:
+    if len(ids) > limit:
+        raise APIError(
+            400, f"{what} has {len(ids)} tokens, more than the server's limit of {limit} "
+            "(--max-prompt-tokens)", param, "context_length_exceeded",
+        )  # fmt: skip
+    return ids
+
+
+def _chat_ids(body: ChatRequest, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[int]:
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+    refuse_over_limit(tokenizer, [m.text() for m in body.messages], limit, "the conversation")
+    rendered = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
     ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return check_prompt_tokens(ids, limit, "the conversation", "messages")
 
 
-def _completion_ids(body: dict, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+def _completion_ids(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[int]:
+    prompt = body.prompt_value()
     if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "prompt is empty", "prompt")
-        return list(tokenizer(prompt)["input_ids"])
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        vocab = len(tokenizer)
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return list(prompt)
-    raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-
-
-def parse_request(
-    endpoint: str, body: dict, model_name: str, tokenizer: PreTrainedTokenizerBase, default: Compression
-) -> Request:
-    """Validate ``body`` for ``endpoint`` (``"chat"`` or ``"completions"``) into a :class:`Request`."""
-    model = body.get("model")
-    if model is None:
-        raise APIError(400, "model is required", "model")
-    if model != model_name:
-        raise APIError(404, f"the model '{model}' does not exist: this server serves '{model_name}'", "model",
-                       "model_not_found")  # fmt: skip
-    if _integer(body, "n", 1) != 1:
-        raise APIError(400, "n must be 1: one answer per request", "n")
-    max_tokens = _integer(body, "max_completion_tokens", None) if endpoint == "chat" else None
-    max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be ≥ 1, got {max_tokens}", "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "stream must be true or false", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "stream_options must be an object", "stream_options")
-    ids = _chat_ids(body, tokenizer) if endpoint == "chat" else _completion_ids(body, tokenizer)
-    extension = body.get("kvbudget") if isinstance(body.get("kvbudget"), dict) else {}
-    ignore_eos = extension.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise APIError(400, "kvbudget.ignore_eos must be true or false", "kvbudget.ignore_eos")
-    return Request(
-        endpoint=endpoint, prompt_ids=ids, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        seed=_integer(body, "seed", 0), stop=_stop(body), stream=stream,
-        include_usage=bool(options.get("include_usage", False)), compression=parse_compression(body, default),
-        ignore_eos=ignore_eos,
-    )  # fmt: skip
+        refuse_over_limit(tokenizer, [prompt], limit, "the prompt")
+        return check_prompt_tokens(list(tokenizer(prompt)["input_ids"]), limit, "the prompt", "prompt")
+    vocab = len(tokenizer)
+    bad = next((t for t in prompt if t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt")
+    return check_prompt_tokens(list(prompt), limit, "the prompt", "prompt")
 
 
 def response_id(endpoint: str) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach
+from kvbudget.engine import check_ratio_budgets
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.spec import MethodSpec
@@ -50,6 +51,7 @@ from kvbudget.serve.batcher import (
     prefill_sequence,
     reserved_bytes,
 )
+from kvbudget.serve.logs import log
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -83,6 +85,8 @@ class Job:
     text: str = ""
     first_token_at: float | None = None
     reserved: int = 0
+    request_id: str = "-"
+    done: bool = False
 
     def cancel(self) -> None:
         """Ask the worker to drop this request (before its next step)."""
@@ -164,9 +168,11 @@ class Scheduler:
         seed: int = 0,
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
+        request_id: str = "-",
     ) -> Job:
-        """Queue a request; one-line errors (before any model work) for a bad or oversized one, and
-        :class:`QueueFull` when the queue is full."""
+        """Queue a request; one-line errors (before any model work) for a bad or oversized one (the
+        method's own minimum for this prompt as ``kvbudget.generate`` checks it), and
+        :class:`QueueFull` when the queue is full. ``request_id`` names it in the log."""
         compression = compression or self.default
         if len(prompt_ids) + max_tokens > self.max_context:
             raise InputError(
@@ -174,10 +180,11 @@ class Scheduler:
                 f"of {self.max_context} tokens"
             )
         method = self.method_for(compression)
+        check_ratio_budgets(method, compression.ratio, [len(prompt_ids)])
         seq = make_sequence(
             prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method, ignore_eos
         )
-        job = Job(seq, sink, tuple(stop))
+        job = Job(seq, sink, tuple(stop), request_id=request_id)
         with self._lock:
             need = self._peak(job, self._find_turn(prompt_ids, compression))
             if need > self.memory_cap:
@@ -241,9 +248,10 @@ class Scheduler:
                 elif self._active:
                     self._step()
             except Exception as exc:  # a failed forward must not take the server down with it
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                self._fail_all(exc)
         with self._lock:
             for job in [*self._queue, *self._active]:
+                job.done = True
                 job.sink({"error": "the server is shutting down"})
             self._queue.clear()
             self._active.clear()
@@ -291,12 +299,7 @@ class Scheduler:
         try:
             token = prefill_sequence(self.model, seq, self.pad_id, job.reuse)
         except Exception as exc:  # this request fails alone; the others keep decoding
-            with self._lock:
-                self._active.remove(job)
-            seq.cache = None
-            job.sink(
-                {"error": str(exc) if isinstance(exc, KVBudgetError) else f"{type(exc).__name__}: {exc}"}
-            )
+            self._fail(job, exc)
             return
         job.first_token_at = time.perf_counter()
         self.metrics.ttft(job.first_token_at - job.submitted)
@@ -316,7 +319,10 @@ class Scheduler:
         self.metrics.tpot(elapsed)
         self.metrics.tokens(len(jobs))
         for job, token in zip(jobs, tokens, strict=True):
-            self._emit(job, [token])
+            if isinstance(token, Exception):  # this row's sampling failed: it alone ends
+                self._fail(job, token)
+            else:
+                self._emit(job, [token])
         self._account()
 
     def _emit(self, job: Job, tokens: list[int]) -> None:
@@ -367,7 +373,9 @@ class Scheduler:
                 self._active.remove(job)
             if self.keep_turns and cache is not None and not job.cancelled.is_set():
                 self._keep(seq.turn(), seq.compression)
-        job.sink({"finish_reason": reason, "usage": usage})
+            job.done = True
+        ttft = None if job.first_token_at is None else job.first_token_at - job.submitted
+        job.sink({"finish_reason": reason, "usage": usage, "ttft_s": ttft})
 
     def _find_turn(self, prompt_ids: list[int], compression: Compression) -> Turn | None:
         """The longest kept turn the prompt extends, kept under the same compression."""
@@ -389,8 +397,22 @@ class Scheduler:
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
             self.peak_active = max(self.peak_active, len(self._active))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        """End ``job`` alone with an error event, its cache freed, one log line naming it."""
         with self._lock:
-            jobs, self._active = self._active, []
+            if job in self._active:
+                self._active.remove(job)
+            job.seq.cache = None
+            job.done = True
+        cause = str(exc) if isinstance(exc, KVBudgetError) else f"{type(exc).__name__}: {exc}"
+        cause = " ".join(cause.split())[:300]
+        log.error("request %s failed in the model thread: %s", job.request_id, cause)
+        log.debug("request %s", job.request_id, exc_info=exc)
+        job.sink({"error": cause})
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A forward over the whole batch failed: every active request ends with it."""
+        with self._lock:
+            jobs = list(self._active)
         for job in jobs:
-            job.sink({"error": message})
+            self._fail(job, exc)

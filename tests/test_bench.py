@@ -274,7 +274,7 @@ def test_random_model_dir_writes_a_config_and_a_tokenizer(tmp_path: Path) -> Non
 
     from transformers import AutoConfig
 
-    from kvbudget.cli_checks import model_source
+    from kvbudget.cli.checks import model_source
 
     tokenizer_dir = config_only_model(tmp_path / "tiny")
     script = Path(__file__).resolve().parents[1] / "scripts" / "random_model_dir.py"

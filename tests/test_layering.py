@@ -65,8 +65,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("benchmarks and tuning", ["kvbudget.bench.*", "kvbudget.tuning", "kvbudget.kvzap_training"]),
-    ("demo and CLI checks", ["kvbudget.demo", "kvbudget.cli_checks"]),
-    ("entry points", ["kvbudget.cli", "kvbudget"]),
+    ("demo and CLI checks", ["kvbudget.demo", "kvbudget.cli.checks"]),
+    ("entry points", ["kvbudget.cli.*", "kvbudget"]),
 ]
 
 #: Private names (a leading underscore) one module imports from another, each with why it may.

@@ -1,0 +1,77 @@
+"""``kvbudget serve``: the OpenAI-compatible server over one model (docs/serving.md)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from kvbudget.cli import checks as check
+from kvbudget.cli.base import user_errors
+from kvbudget.cli.options import DtypeOption, ModelOption
+from kvbudget.errors import InputError
+from kvbudget.extras import needs_extra
+
+
+@user_errors
+@needs_extra("serve", "kvbudget serve")
+def serve(
+    model: ModelOption = "smollm2-135m",
+    method: Annotated[
+        str,
+        typer.Option(help="Default method of a request that names none (`name` or `name:key=value,...`)."),
+    ] = "snapkv",
+    budget: Annotated[int | None, typer.Option(help="Default entries per KV head.")] = None,
+    ratio: Annotated[
+        float | None, typer.Option(help="Default fraction of the prompt kept, in (0, 1].")
+    ] = None,
+    memory_cap: Annotated[
+        str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
+    ] = "2GiB",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    device: Annotated[
+        str, typer.Option(help="cpu, cuda[:index] or auto (the GPU when there is one).")
+    ] = "auto",
+    dtype: DtypeOption = "bfloat16",
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait for room (more get 429).")] = 64,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVBUDGET_API_KEY", help="Require `Authorization: Bearer KEY` (or set KVBUDGET_API_KEY)."
+        ),
+    ] = None,
+    served_name: Annotated[
+        str | None, typer.Option(help="The model's name in the API (default: --model).")
+    ] = None,
+) -> None:
+    """Serve the model with an OpenAI-compatible API: many conversations under one KV memory cap,
+    each compressed with its own method (docs/serving.md)."""
+    import uvicorn
+
+    from kvbudget.methods.spec import MethodSpec
+    from kvbudget.models import load_model
+    from kvbudget.serve.app import create_app, prometheus_metrics
+    from kvbudget.serve.batcher import Compression
+    from kvbudget.serve.scheduler import Scheduler
+    from kvbudget.units import format_bytes, parse_size
+
+    cap = parse_size(memory_cap)
+    from kvbudget.engine import check_size
+
+    check_size(budget, ratio, "--")
+    check.at_least(max_queue, 1, "--max-queue")
+    if not 0 < port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {port}")
+    dtype = check.dtype(dtype)
+    check.model_source(model)
+    default = Compression(method, budget, ratio)
+    MethodSpec.parse(method)  # a bad method fails before the model loads
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    registry, metrics = prometheus_metrics()
+    scheduler = Scheduler(lm, tokenizer, cap, default, max_queue=max_queue, metrics=metrics)
+    name = served_name or model
+    print(f"kvbudget: serving {name} on http://{host}:{port}/v1 — default {default.label()}, "
+          f"KV cap {format_bytes(cap)}", file=sys.stderr)  # fmt: skip
+    uvicorn.run(create_app(scheduler, name, registry, api_key), host=host, port=port, log_level="warning")

@@ -60,7 +60,7 @@ DEFAULT_VARIANTS = "d2o-nomerge,d2o,h2o,d2o-heavy,d2o-authors-weighting,d2o-auth
 REFERENCE = "d2o-nomerge"
 LAYER_COLUMNS = ("merges_per_kept", "merge_rate", "share_sink", "share_heavy", "share_recent", "dk_rel",
                  "k_norm_ratio", "dv_rel", "best_sim", "k_cos_merged", "v_cos_merged")  # fmt: skip
-OUT = Path("runs/d2o-merge/results.jsonl")
+OUT = Path("lab/results/d2o-merge/results.jsonl")
 
 
 def parse_passages(spec: str) -> list[int]:

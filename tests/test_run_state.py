@@ -1,4 +1,5 @@
-"""A method's configuration is frozen and its run state lives in the session (DESIGN.md §10).
+"""A method's configuration is frozen and its run state lives in the session (docs/architecture.md,
+"Configuration and run state").
 
 One method object must serve many sequences at once, as a server's does: runs interleaved step by
 step — the prefill of one sequence between another's prefill and its decoding — give each

@@ -1,4 +1,5 @@
-"""The static compressed cache and its decode step (DESIGN.md §12) against today's decoding.
+"""The static compressed cache and its decode step (docs/architecture.md, "Static GPU decode:
+count launches, not FLOPs") against today's decoding.
 
 A cache compressed by a method, then decoded greedily, must give the same tokens and logits
 whether the steps run over the :class:`~kvbudget.cache.BudgetCache` (today's path, one attention

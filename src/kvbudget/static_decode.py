@@ -6,8 +6,9 @@ every decoder layer (its attention writes into the static buffers and attends in
 layer, :func:`kvbudget.attention.attend_static`) → norm → LM head → argmax written back into the
 input buffer. Every tensor it reads or writes lives at a fixed address and has a fixed shape, and
 nothing in it waits for the device, so on CUDA the step is captured once as a
-``torch.cuda.CUDAGraph`` and replayed: one launch per token instead of one per kernel (DESIGN.md
-§12). On the CPU (or with ``graph=False``) the same step runs eagerly.
+``torch.cuda.CUDAGraph`` and replayed: one launch per token instead of one per kernel
+(docs/architecture.md, "Static GPU decode: count launches, not FLOPs"). On the CPU (or with
+``graph=False``) the same step runs eagerly.
 
 The decoder is greedy and reads no logits processors; methods that evict while decoding need their
 own decode policy and are not served by this path.

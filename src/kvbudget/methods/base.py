@@ -20,14 +20,14 @@ default only while that allocator is chosen. Any other method refuses both optio
 :meth:`Method.decode_step`; post-prefill methods (D2O) :meth:`Method.record` and
 :meth:`Method.post_prefill`; lookahead methods (LAQ) :meth:`Method.run_lookahead`.
 
-**Configuration and run state** (DESIGN.md §10). A method object is its configuration: a frozen
-dataclass whose fields name its result rows; setting an attribute raises, so one object can serve
-many sequences at once. Everything a run learns — plans, budgets chosen at the first layer, kept
-positions another layer reuses, per-row counters, data bound from the model — lives in the
-:class:`RunState` that :meth:`Method.start` returns; the compression session owns it for one
-sequence (or batch) and hands it to the method with each observation (``obs.run``) or as the
-``run`` argument of the stages that see whole caches (:meth:`Method.rebalance`,
-:meth:`Method.post_prefill`).
+**Configuration and run state** (docs/architecture.md, "Configuration and run state"). A method
+object is its configuration: a frozen dataclass whose fields name its result rows; setting an
+attribute raises, so one object can serve many sequences at once. Everything a run learns — plans,
+budgets chosen at the first layer, kept positions another layer reuses, per-row counters, data
+bound from the model — lives in the :class:`RunState` that :meth:`Method.start` returns; the
+compression session owns it for one sequence (or batch) and hands it to the method with each
+observation (``obs.run``) or as the ``run`` argument of the stages that see whole caches
+(:meth:`Method.rebalance`, :meth:`Method.post_prefill`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from kvbudget.selection import protected_mask, select_keep
 
 @dataclass
 class RunState:
-    """What one run of a method learns (DESIGN.md §10), owned by the run's compression session.
+    """What one run of a method learns, owned by the run's compression session (docs/architecture.md,
+    "Configuration and run state").
 
     Methods that learn more subclass it (a dataclass with their own fields) and return it from
     :meth:`Method.start`.

@@ -29,7 +29,7 @@ def pyramid_layer_budget(
 
     Where the prompt is shorter than ``2B'`` (a compression ratio below about 0.5) the authors'
     code (``PyramidKVCluster.update_kv``) keeps the uniform ``B'`` at every layer instead; this
-    keeps the clamped pyramid there (the formula of the paper and of ``METHODS.md``). kvpress
+    keeps the clamped pyramid there (the formula of the paper and of ``docs/methods.md``). kvpress
     0.5.5's ``PyramidKVPress`` falls back to uniform in the opposite case, when ``min`` would fall
     below the window (at β = 20 and window 64, every ratio above about 0.4 on a 2K prompt).
     """

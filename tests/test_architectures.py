@@ -226,7 +226,7 @@ def test_window_queries_are_the_models_queries(kind):
     model = tiny_arch(kind)
     ids = _ids(40, 1)
     session = CompressionSession(make_method("full"), model.config.num_hidden_layers, budget=8)
-    session.phase = "record"  # keep every layer's queries, compress nothing
+    session.begin_record()  # keep every layer's queries, compress nothing
     with kvbudget.attached(model):
         _logits(model, ids, cache=BudgetCache(model.config.num_hidden_layers, session))
     own = _own_queries(model, ids)
@@ -268,7 +268,7 @@ def test_observation_probabilities_are_the_models_attention(kind):
     ids = _ids(48, 3)
     layers = model.config.num_hidden_layers
     session = CompressionSession(make_method("full"), layers, budget=8)
-    session.phase = "record"
+    session.begin_record()
     cache = BudgetCache(layers, session)
     with kvbudget.attached(model):
         _logits(model, ids, cache=cache)

@@ -197,7 +197,7 @@ def test_cake_decode_trims_each_layer_to_its_budget_by_the_current_query(seed):
     inputs = make_inputs(seed)
     layers, session, _ = run_library("cake", OPTIONS, inputs)
     ref_steps, ref_kept, _ = ref_cake(inputs)
-    session.phase = "decode"
+    session.begin_decode()
     g = seeded(100 + seed)
     keys = [x[1][0].double().numpy() for x in inputs]
     values = [x[2][0].double().numpy() for x in inputs]

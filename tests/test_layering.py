@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvbudget.architectures",
             "kvbudget.extras",
             "kvbudget.cpu_matmul",
+            "kvbudget.phases",
         ],
     ),
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
@@ -47,7 +48,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("method parts", ["kvbudget.scoring", "kvbudget.selection", "kvbudget.allocation", "kvbudget.merging"]),
     ("profiles", ["kvbudget.profiles"]),
     ("method interface", ["kvbudget.methods", "kvbudget.methods.base", "kvbudget.methods.prune_base"]),
-    ("methods", ["kvbudget.methods.*"]),
+    # the prefill's shared steps and its recording prefill sit with the methods: KVzap records one
+    # while it starts
+    ("methods", ["kvbudget.methods.*", "kvbudget.prefill.common", "kvbudget.prefill.record"]),
     ("prefill", ["kvbudget.prefill.*"]),
     ("static decode", ["kvbudget.static_decode"]),
     ("engine", ["kvbudget.engine"]),

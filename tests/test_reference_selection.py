@@ -359,8 +359,8 @@ def test_full_keeps_everything_through_the_session() -> None:
     fx = Fixture.make()
     layer = fx.layer()
     session = CompressionSession(make_method("full"), LAYERS, budget=BUDGET)
-    for phase in ("prefill", "decode"):
-        session.phase = phase
+    for begin in (session.begin_prefill, session.begin_decode):
+        begin()
         session.after_attention(0, fx.q, layer, SCALE)
     assert_layer_holds(layer, [set(range(N))] * H, fx.nk, fx.nv)
 

@@ -46,6 +46,7 @@ from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.joined_cache import JoinedCache
 from kvbudget.masks import attention_mask_for, causal_visibility, window_visibility
+from kvbudget.phases import Phase
 from kvbudget.static_cache import StaticBudgetCache
 
 ATTENTION_NAME = "kvbudget"
@@ -354,7 +355,7 @@ def _attend_budget_cache(
     if cache.session is not None:
         cache.session.after_attention(layer_idx, query, layer, scale, cache.layers)
         cache.note_memory(layer_idx)
-        if cache.session.edits_earlier_layers and cache.session.phase == "prefill":
+        if cache.session.edits_earlier_layers and cache.session.phase == Phase.PREFILL:
             for earlier in range(layer_idx):  # re-evicted (cascading) or compressed after the last layer
                 cache.note_memory(earlier)
     return out

@@ -35,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbudget.errors import KVBudgetError
+from kvbudget.phases import Phase
 
 #: keys ``[*lead, n, d]``, values ``[*lead, n, d]`` and positions ``[*lead, n]`` of one layout
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -42,7 +43,7 @@ Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 #: stale entries a sliding-window layer may hold before :meth:`BudgetCache.update` drops them
 WINDOW_SLACK = 32
 #: session phases whose forwards drop a sliding-window layer's stale entries (see ``BudgetCache.update``)
-WINDOW_TRIM_PHASES = ("prefill", "decode", "off")
+WINDOW_TRIM_PHASES = frozenset({Phase.PREFILL, Phase.DECODE, Phase.OFF})
 
 
 class CacheSession(Protocol):
@@ -50,9 +51,9 @@ class CacheSession(Protocol):
     cache: :class:`kvbudget.session.CompressionSession` in the engine (the cache sits below it and
     knows it only through this)."""
 
-    #: what the next forward is: ``"prefill"``, ``"decode"``, ``"record"``, ``"off"`` (see
-    #: :mod:`kvbudget.session`), or a method's own pass over a cache
-    phase: str
+    #: what the next forward is (a :class:`~kvbudget.phases.Phase`: prefill, decode, record, off,
+    #: or a method's own pass over a cache); only the session moves it (see :mod:`kvbudget.session`)
+    phase: Phase
 
     @property
     def compresses(self) -> bool:

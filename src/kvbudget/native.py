@@ -62,8 +62,9 @@ from kvbudget.engine import (
 from kvbudget.errors import InputError, KVBudgetError, UnsupportedMethodError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
+from kvbudget.phases import Phase, Stage
 from kvbudget.prefill.common import append_uncompressed, eos_ids, prefill_compressed_part, run_lookahead
-from kvbudget.session import CompressionSession, Phase
+from kvbudget.session import CompressionSession
 
 #: attribute of a model held attached by open CompressingCaches (see :class:`_Hold`)
 _HOLD = "_kvbudget_native_hold"
@@ -100,12 +101,12 @@ def _release_attention(model: PreTrainedModel) -> None:
 def check_generate_compatible(method: Method) -> None:
     """Raise :class:`UnsupportedMethodError` for a method that cannot run inside ``model.generate``."""
     hint = "use kvbudget.compress(model, ids[:, :-1], ...) then model.generate(ids, past_key_values=cache)"
-    if "prune" in method.stages:
+    if Stage.PRUNE in method.stages:
         raise UnsupportedMethodError(
             f"{method.name} cannot run inside model.generate: a prune-stage method runs the decoder layers "
             f"itself, feeding deeper layers only the tokens it selects; {hint}"
         )
-    if "lookahead" in method.stages:
+    if Stage.LOOKAHEAD in method.stages:
         raise UnsupportedMethodError(
             f"{method.name} cannot run inside model.generate: a lookahead method pseudo-decodes with the "
             f"model after the prefill; {hint}"
@@ -124,15 +125,15 @@ class _GenerateSession(CompressionSession):
         layers: list[BudgetLayer] | None = None,
     ) -> None:
         """``query: [b, q_heads, q, d]``: the prefill compresses, a later ``q > 1`` appends uncompressed."""
-        if self.phase == Phase.PREFILL and layer_idx == 0 and self.ratio is not None:
+        if self.phase is Phase.PREFILL and layer_idx == 0 and self.ratio is not None:
             check_ratio_budgets(self.method, self.ratio, layer.head_lengths()[:, 0].tolist())
-        if self.phase == Phase.DECODE and query.shape[2] > 1:
+        if self.phase is Phase.DECODE and query.shape[2] > 1:
             if layer_idx == 0:  # outside the budget: decode-stage methods hold it too
                 self.note_appended((layer.head(0)[2][:, -query.shape[2] :] >= 0).sum(-1).tolist())
             return
         super().after_attention(layer_idx, query, layer, scaling, layers)
-        if self.phase == Phase.PREFILL and layer_idx == self.num_layers - 1:
-            self.phase = Phase.DECODE
+        if self.phase is Phase.PREFILL and layer_idx == self.num_layers - 1:
+            self.begin_decode()
 
 
 class CompressingCache(BudgetCache):
@@ -245,7 +246,7 @@ def answer(
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
     method_obj = resolve_method(method)
-    if "prune" in method_obj.stages:
+    if Stage.PRUNE in method_obj.stages:
         raise UnsupportedMethodError(
             f"{method_obj.name} cannot share one compressed context between questions: a prune-stage method "
             "prefills context and question in one run of its own layer loop; call "

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvbudget.errors import InputError, ProfileError
+from kvbudget.phases import Phase
 from kvbudget.version import __version__
 
 FORMAT = "kvbudget-profile"
@@ -257,7 +258,7 @@ class _QueryRecorder:
     """The :class:`~kvbudget.cache.CacheSession` of a profiling forward: the kvbudget attention hands
     it each layer's post-RoPE queries ``[1, q_heads, T, d]``; nothing is compressed."""
 
-    phase = "record"
+    phase = Phase.RECORD
     compresses = False
     edits_earlier_layers = False
 

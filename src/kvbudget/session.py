@@ -2,14 +2,22 @@
 
 The engine creates one per run and puts it on the :class:`~kvbudget.cache.BudgetCache`; it owns
 the method's run state (``run``, from :meth:`~kvbudget.methods.base.Method.start`), so one method
-object serves many sessions at once. Its ``phase`` (a :class:`Phase`) says what the next forward
-is: ``"prefill"`` (compress each layer right after its
-attention, so peak memory stays near one full layer plus the compressed rest; post-prefill methods
-only record each layer and compress all of them after the last one), ``"decode"``
-(decode-stage methods trim each layer back to budget after every step), ``"record"`` (keep each
-layer's queries and compress nothing: the shared prefill of :mod:`kvbudget.prefill.derived`) or ``"off"``.
+object serves many sessions at once. Its ``phase`` (a :class:`~kvbudget.phases.Phase`) says what
+the next forward is: ``PREFILL`` (compress each layer right after its attention, so peak memory
+stays near one full layer plus the compressed rest; post-prefill methods only record each layer
+and compress all of them after the last one), ``DECODE`` (decode-stage methods trim each layer back
+to budget after every step), ``RECORD`` (keep each layer's queries and compress nothing: the shared
+prefill of :mod:`kvbudget.prefill.derived`) or ``OFF``.
 
-Lookahead methods (``"lookahead"`` in ``Method.stages``, :mod:`kvbudget.methods.lookahead`)
+**One owner for phase changes.** The session is the only place that moves between phases, through
+its named transitions — :meth:`CompressionSession.begin_prefill`, :meth:`~CompressionSession.begin_decode`,
+:meth:`~CompressionSession.begin_record`, :meth:`~CompressionSession.stop` and
+:meth:`~CompressionSession.begin_reconstruct` (KVzip's pass) — each of which checks the phase it
+leaves (:data:`LEGAL_FROM`) and raises :class:`~kvbudget.phases.PhaseError` on an illegal one;
+``phase`` is read-only. :meth:`CompressionSession.after_attention` hands each layer to the handler
+of the current phase (:attr:`CompressionSession.layer_handlers`).
+
+Lookahead methods (``Stage.LOOKAHEAD`` in ``Method.stages``, :mod:`kvbudget.methods.lookahead`)
 compress nothing during the prefill; the session keeps the last ``method.queries_to_record()``
 post-RoPE queries of every layer for them, and the engine calls ``method.run_lookahead`` once the
 prefill is done.
@@ -19,12 +27,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from kvbudget.observation import Observation
+from kvbudget.phases import COMPRESS_AT_PREFILL, Phase, PhaseError, Stage
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,7 +45,7 @@ class SessionMethod(Protocol):
     session sits below the methods, which run sessions of their own (a lookahead's clone, KVzip's
     reconstruction pass)."""
 
-    stages: tuple[str, ...]
+    stages: tuple[Stage, ...]
     cascading: bool
     wants_attention_inputs: bool
 
@@ -59,15 +67,19 @@ class SessionMethod(Protocol):
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None: ...
 
 
-class Phase(StrEnum):
-    """What a session's next forward is (the module docstring says what each does)."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    RECORD = "record"
-    OFF = "off"
-    #: KVzip's reconstruction pass (its own session, :mod:`kvbudget.methods.kvzip`)
-    RECONSTRUCT = "reconstruct"
+#: per phase, the phases a session may move to it from (its named transitions check them)
+LEGAL_FROM: dict[Phase, frozenset[Phase]] = {
+    # a fresh session starts in PREFILL; a two-pass prune method's second pass prefills again
+    Phase.PREFILL: frozenset({Phase.PREFILL}),
+    # after the prefill, after an uncompressed append, or again (a consumed cache decoded once more)
+    Phase.DECODE: frozenset({Phase.PREFILL, Phase.OFF, Phase.DECODE}),
+    # a fresh session recording a full prefill (a snapshot, KVzap's training pairs)
+    Phase.RECORD: frozenset({Phase.PREFILL}),
+    # an uncompressed append after any forward (the question; a later turn of a served chat)
+    Phase.OFF: frozenset({Phase.PREFILL, Phase.RECORD, Phase.DECODE, Phase.OFF}),
+    # KVzip's reconstruction session, right after it is made
+    Phase.RECONSTRUCT: frozenset({Phase.PREFILL}),
+}
 
 
 class CompressionSession:
@@ -99,7 +111,7 @@ class CompressionSession:
             and not the attention queued before it. Off by default: it stalls the host once per
             layer. ``kvbudget bench`` turns it on.
         recorded_queries: per layer, post-RoPE queries ``[b, q_heads, m, d]`` (all of them in
-            ``"record"`` phase; the last ``method.queries_to_record()`` in ``"prefill"`` phase).
+            ``RECORD`` phase; the last ``method.queries_to_record()`` in ``PREFILL`` phase).
         observation_memos: per layer, the memo of the prefill :class:`Observation` (window
             probabilities, column sums), shared with other sessions that observe the very same
             queries and uncompressed layer — the runs :func:`kvbudget.prefill.derived.derive` makes from
@@ -127,7 +139,7 @@ class CompressionSession:
         self.ratio = ratio
         self.run = method.start(model) if run is None else run
         self._bound_to = model  # the model the run was started with
-        self.phase = Phase.PREFILL
+        self._phase = Phase.PREFILL
         self.kept: torch.Tensor | None = None
         self.row_budgets: list[int] | None = None
         self.targets: list[int | None] | None = None
@@ -143,6 +155,44 @@ class CompressionSession:
         self.lookahead_memo: dict | None = None
         self.attention_inputs: dict[int, torch.Tensor] = {}
 
+    # ------------------------------------------------------------------ phases
+    @property
+    def phase(self) -> Phase:
+        """What the next forward is (read-only: the named transitions below move it)."""
+        return self._phase
+
+    def _move_to(self, phase: Phase) -> None:
+        if self._phase not in LEGAL_FROM[phase]:
+            legal = ", ".join(sorted(LEGAL_FROM[phase]))
+            raise PhaseError(
+                f"{type(self).__name__} of {getattr(self.method, 'name', self.method)!r}: no transition "
+                f"from {self._phase.value} to {phase.value} (only from {legal})"
+            )
+        self._phase = phase
+
+    def begin_prefill(self) -> None:
+        """The next forwards are the compressed part's prefill: each layer compressed (or recorded,
+        for post-prefill and lookahead methods) right after its attention."""
+        self._move_to(Phase.PREFILL)
+
+    def begin_decode(self) -> None:
+        """The next forwards decode: a decode-stage method trims each layer after every step."""
+        self._move_to(Phase.DECODE)
+
+    def begin_record(self) -> None:
+        """The next forward is a full prefill that keeps every layer's queries and compresses nothing."""
+        self._move_to(Phase.RECORD)
+
+    def stop(self) -> None:
+        """The next forwards append to the cache uncompressed (the session sees nothing of them)."""
+        self._move_to(Phase.OFF)
+
+    def begin_reconstruct(self) -> None:
+        """KVzip's reconstruction pass: the session scores what the pass attends to
+        (:class:`kvbudget.methods.kvzip.ReconstructionScores` handles its layers itself)."""
+        self._move_to(Phase.RECONSTRUCT)
+
+    # ------------------------------------------------------------------ run state
     def bind(self, model: Any) -> None:
         """Make sure the run is bound to ``model`` (what the method needs from it: profiles,
         filters), as a prefill does before its first forward: a run started without it (or with
@@ -172,7 +222,7 @@ class CompressionSession:
     ) -> Observation:
         memos = self.observation_memos
         memo = {} if memos is None else memos.setdefault(layer_idx, {})
-        inputs = self.attention_inputs.pop(layer_idx, None) if self.phase == Phase.PREFILL else None
+        inputs = self.attention_inputs.pop(layer_idx, None) if self._phase is Phase.PREFILL else None
         return Observation(layer_idx, self.num_layers, query, layer, scaling, memo, run=self.run,
                            attention_input=inputs)  # fmt: skip
 
@@ -200,7 +250,7 @@ class CompressionSession:
         assert self.row_budgets is not None
         return [b + self.run.appended_to(r) for r, b in enumerate(self.row_budgets)]
 
-    #: record every layer's attention input in ``"record"`` phase (a snapshot for methods that read it)
+    #: record every layer's attention input in ``RECORD`` phase (a snapshot for methods that read it)
     record_attention_inputs: bool = False
 
     @property
@@ -214,10 +264,17 @@ class CompressionSession:
         the module (its ``layer_idx``, its projections) and its input ``[b, q, hidden]``: kept in
         :attr:`attention_inputs` for the layer's prefill observation (or the snapshot), and for its
         decode observation when the method acts while decoding (KVzap's decoding variant)."""
-        if self.phase in (Phase.PREFILL, Phase.RECORD) or (
-            self.phase == Phase.DECODE and "decode" in self.method.stages
+        if self._phase in (Phase.PREFILL, Phase.RECORD) or (
+            self._phase is Phase.DECODE and Stage.DECODE in self.method.stages
         ):
             self.attention_inputs[int(module.layer_idx)] = hidden_states
+
+    #: the method that handles a layer after its attention, per phase (no entry: nothing to do)
+    layer_handlers: ClassVar[dict[Phase, str]] = {
+        Phase.RECORD: "_record_layer",
+        Phase.PREFILL: "_prefill_layer",
+        Phase.DECODE: "_decode_layer",
+    }
 
     def after_attention(
         self,
@@ -227,53 +284,90 @@ class CompressionSession:
         scaling: float,
         layers: list[BudgetLayer] | None = None,
     ) -> None:
-        """Called by the attention hook once the layer's attention output is computed.
+        """Called by the attention hook once the layer's attention output is computed: the handler
+        of the current phase (:attr:`layer_handlers`) gets the layer.
 
-        ``layers``: all layers of the cache, for cascading methods that re-evict earlier layers
-        after each prefilled one (``Method.cascading``).
+        ``query``: the layer's post-RoPE queries ``[b, q_heads, q, d]``; ``layers``: all layers of
+        the cache, for cascading methods that re-evict earlier layers after each prefilled one
+        (``Method.cascading``) and post-prefill methods that compress them after the last.
         """
-        stages = self.method.stages
-        if self.phase == Phase.RECORD:
-            self.recorded_queries[layer_idx] = query
+        handler = self.layer_handlers.get(self._phase)
+        if handler is not None:
+            getattr(self, handler)(layer_idx, query, layer, scaling, layers)
+
+    def _record_layer(
+        self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float, layers: Any
+    ) -> None:
+        """``RECORD``: keep the layer's queries (all of them), compress nothing."""
+        self.recorded_queries[layer_idx] = query
+        self.scaling = scaling
+
+    def _prefill_layer(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        layer: BudgetLayer,
+        scaling: float,
+        layers: list[BudgetLayer] | None,
+    ) -> None:
+        """``PREFILL``: keep the queries a lookahead wants, then compress the layer now (prefill and
+        prune stages) or record it for after the last layer (post-prefill); count what it kept."""
+        start = self.clock(query.device)
+        keep_queries = self.method.queries_to_record()
+        if keep_queries:
+            self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]
             self.scaling = scaling
-        elif self.phase == Phase.PREFILL:
-            start = self.clock(query.device)
-            keep_queries = self.method.queries_to_record()
-            if keep_queries:
-                self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]
-                self.scaling = scaling
-            if "prefill" in stages or "prune" in stages:
-                obs = self._prefill_observation(layer_idx, query, layer, scaling)
-                if self.targets is None:
-                    self.resolve(obs.lengths)
-                kept = self.method.compress_layer(obs, self.targets)
-                if self.method.cascading and layers is not None:
-                    self.method.rebalance(layers[: layer_idx + 1], self.targets, self.run)
-                    for earlier in range(layer_idx):
-                        self.kept[:, earlier] = layers[earlier].head_lengths().cpu()
-            else:
-                if self.targets is None:
-                    self.resolve(layer.head_lengths()[:, 0])
-                if "post_prefill" in stages:
-                    obs = self._prefill_observation(layer_idx, query, layer, scaling)
-                    self.method.record(obs, self.targets)
-                kept = layer.head_lengths().cpu()
-            if self.kept is None:
-                self.kept = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
-            self.kept[:, layer_idx] = kept
-            if "post_prefill" in stages and layers is not None and layer_idx == self.num_layers - 1:
-                self.method.post_prefill(layers, self.targets, self.run)
-                for i, compressed in enumerate(layers):
-                    self.kept[:, i] = compressed.head_lengths().cpu()
-            self.compress_seconds += self.clock(query.device) - start
-        elif self.phase == Phase.DECODE and "decode" in stages and self.row_budgets is not None:
-            start = self.clock(query.device)
-            inputs = self.attention_inputs.pop(layer_idx, None)
-            obs = Observation(
-                layer_idx, self.num_layers, query, layer, scaling, run=self.run, attention_input=inputs
-            )
-            self.method.decode_step(obs, self.decode_budgets())
-            self.decode_seconds += self.clock(query.device) - start
+        stages = self.method.stages
+        if COMPRESS_AT_PREFILL.intersection(stages):
+            kept = self._compress_now(layer_idx, query, layer, scaling, layers)
+        else:
+            if self.targets is None:
+                self.resolve(layer.head_lengths()[:, 0])
+            if Stage.POST_PREFILL in stages:
+                self.method.record(self._prefill_observation(layer_idx, query, layer, scaling), self.targets)
+            kept = layer.head_lengths().cpu()
+        if self.kept is None:
+            self.kept = torch.zeros((kept.shape[0], self.num_layers, kept.shape[1]), dtype=torch.long)
+        self.kept[:, layer_idx] = kept
+        if Stage.POST_PREFILL in stages and layers is not None and layer_idx == self.num_layers - 1:
+            self.method.post_prefill(layers, self.targets, self.run)
+            for i, compressed in enumerate(layers):
+                self.kept[:, i] = compressed.head_lengths().cpu()
+        self.compress_seconds += self.clock(query.device) - start
+
+    def _compress_now(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        layer: BudgetLayer,
+        scaling: float,
+        layers: list[BudgetLayer] | None,
+    ) -> torch.Tensor:
+        """Compress the layer right after its attention (a cascading method then re-evicts the
+        earlier ones); its ``[b, kv_heads]`` kept entries."""
+        obs = self._prefill_observation(layer_idx, query, layer, scaling)
+        if self.targets is None:
+            self.resolve(obs.lengths)
+        kept = self.method.compress_layer(obs, self.targets)
+        if self.method.cascading and layers is not None:
+            self.method.rebalance(layers[: layer_idx + 1], self.targets, self.run)
+            for earlier in range(layer_idx):
+                self.kept[:, earlier] = layers[earlier].head_lengths().cpu()
+        return kept
+
+    def _decode_layer(
+        self, layer_idx: int, query: torch.Tensor, layer: BudgetLayer, scaling: float, layers: Any
+    ) -> None:
+        """``DECODE``: a decode-stage method trims the layer back to its budgets."""
+        if Stage.DECODE not in self.method.stages or self.row_budgets is None:
+            return
+        start = self.clock(query.device)
+        inputs = self.attention_inputs.pop(layer_idx, None)
+        obs = Observation(
+            layer_idx, self.num_layers, query, layer, scaling, run=self.run, attention_input=inputs
+        )
+        self.method.decode_step(obs, self.decode_budgets())
+        self.decode_seconds += self.clock(query.device) - start
 
 
 def replay_prefill(
@@ -289,16 +383,16 @@ def replay_prefill(
     Layer by layer, a copy of ``full_layers[i]`` (``layer.shallow_copy()``, sharing its tensors, or
     ``copy(layer)``) goes into ``cache`` and the cache's session (a :class:`CompressionSession`)
     gets the layer's post-RoPE ``queries[i]: [b, q_heads, n, d]`` and ``scaling`` through
-    ``after_attention``, in ``"prefill"`` phase, as the attention hook hands them over during a
-    prefill (and, for a session that wants them, the layer's ``attention_inputs[i]: [b, n, hidden]``
-    first, as :meth:`CompressionSession.before_attention` would); the layers the session changed are
-    re-counted in the cache's memory. Yields each layer
+    ``after_attention``, in ``PREFILL`` phase (:meth:`CompressionSession.begin_prefill`), as the
+    attention hook hands them over during a prefill (and, for a session that wants them, the layer's
+    ``attention_inputs[i]: [b, n, hidden]`` first, as :meth:`CompressionSession.before_attention`
+    would); the layers the session changed are re-counted in the cache's memory. Yields each layer
     index once the session has seen that layer, so a caller may stop early (the deeper layers of
     ``cache`` then stay empty).
     """
     session = cache.session
     cache.attention_attached = True
-    session.phase = Phase.PREFILL
+    session.begin_prefill()
     for layer_idx, full in enumerate(full_layers):
         cache.layers[layer_idx] = full.shallow_copy() if copy is None else copy(full)
         if attention_inputs is not None and session.wants_attention_inputs:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache, BudgetLayer
+from kvbudget.phases import Stage
 from kvbudget.prefill.pruned import decoder_parts
 from kvbudget.static_cache import StaticBudgetCache
 
@@ -39,7 +40,7 @@ def static_refusal(method: Any, cache: BudgetCache, temperature: float = 0.0) ->
     - a layer stores one head per query head (LAQ's ``budget_per="query-head"``), which the
       model's KV-head writes do not fill.
     """
-    if "decode" in method.stages:
+    if Stage.DECODE in method.stages:
         return f"{method.name} evicts while decoding (its eviction runs on the host every step)"
     if temperature > 0:
         return "sampling draws each token on the host"

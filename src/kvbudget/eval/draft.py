@@ -34,7 +34,6 @@ from transformers import PreTrainedModel
 
 from kvbudget.cache import BudgetCache
 from kvbudget.engine import decode_loop
-from kvbudget.session import Phase
 
 
 @dataclass
@@ -105,7 +104,7 @@ def decode_with_draft(
     if not draft:
         raise ValueError("decode_with_draft needs a draft of at least one token")
     if cache.session is not None:
-        cache.session.phase = Phase.DECODE
+        cache.session.begin_decode()
     feed = draft[:-1]
     rows = [logits[0]]
     if step_by_step:

@@ -11,7 +11,6 @@ import torch
 from transformers import PreTrainedModel
 
 from kvbudget.cache import BudgetCache
-from kvbudget.session import Phase
 
 
 @torch.inference_mode()
@@ -33,7 +32,7 @@ def teacher_forced_logprobs(
     rows = [first_logits[0].float()]
     if len(tokens) > 1:
         if cache.session is not None:
-            cache.session.phase = Phase.DECODE
+            cache.session.begin_decode()
         device = model.device
         feed = torch.tensor([tokens[:-1]], device=device)
         positions = last_pos.to(device)[:, None] + 1 + torch.arange(feed.shape[1], device=device)[None]

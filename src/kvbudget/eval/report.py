@@ -56,6 +56,7 @@ from kvbudget.eval.intervals import (
 from kvbudget.eval.paired import PairedDifference, paired_difference
 from kvbudget.eval.store import load_rows, no_results_message
 from kvbudget.models import describe_weights
+from kvbudget.phases import Stage
 
 SOLVED = 0.5
 #: the label prefix of kvpress's rows (:mod:`kvbudget.eval.peer_rows`)
@@ -597,7 +598,7 @@ def _is_prune_method(name: str) -> bool:
     from kvbudget.methods.registry import REGISTRY
 
     base = split_preset(name.partition(":")[0])[0]
-    return base in REGISTRY and "prune" in REGISTRY[base].stages
+    return base in REGISTRY and Stage.PRUNE in REGISTRY[base].stages
 
 
 def selection_layer_table(rows: list[dict]) -> list[str]:

@@ -61,6 +61,7 @@ from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method, method_names
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.models import resolve_dtype
+from kvbudget.phases import Stage
 from kvbudget.prefill.common import Snapshot, eos_ids
 from kvbudget.prefill.derived import derive, take_snapshot
 from kvbudget.session import CompressionSession
@@ -274,7 +275,7 @@ class Runner:
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
         methods = [run[0].build() for run in pending]
-        prune = any("prune" in method.stages for method in methods)  # they derive from hidden states
+        prune = any(Stage.PRUNE in method.stages for method in methods)  # they derive from hidden states
         inputs_read = any(method.wants_attention_inputs for method in methods)  # KVzap scores from them
         snapshot = (
             take_snapshot(self.model, inputs, hidden_states=prune, attention_inputs=inputs_read)
@@ -317,7 +318,7 @@ class Runner:
         start = time.perf_counter()
         if snapshot is not None:
             cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
-            if "prune" in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
+            if Stage.PRUNE in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
                 prefill_wall = snapshot.seconds + time.perf_counter() - start
             else:  # deriving is compressing
                 prefill_wall = snapshot.seconds + cache.session.compress_seconds
@@ -329,7 +330,7 @@ class Runner:
             prefill_wall = time.perf_counter() - start
         stats = cache.stats(0)
         budgets = cache.session.kept[0].tolist()
-        step_by_step = "decode" in method.stages
+        step_by_step = Stage.DECODE in method.stages
         if teacher is None:  # the full-cache reference: its own answer, then its log-probs on it
             forced = copy.deepcopy(cache)
             decoded = decode_loop(self.model, cache, logits, mask, last_pos, self.eos, sample.max_new_tokens)

@@ -11,6 +11,7 @@ from kvbudget.allocation import baklava_reallocate
 from kvbudget.errors import MethodOptionError
 from kvbudget.methods.profiled import ProfiledMethod, ProfiledRun, bounded_budgets
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 from kvbudget.scoring import window_scores
 
 
@@ -139,7 +140,7 @@ class BaKlaVaSnapKV(BaKlaVa):
         "BaKlaVa's per-cache budgets with SnapKV eviction inside each cache (new combination)"
     )
     small_options: ClassVar[dict[str, Any]] = {"window": 4, "kernel": 3}
-    stages: ClassVar[tuple[str, ...]] = ("prefill",)
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL,)
     tuned_from: ClassVar[tuple[str, ...]] = ("baklava",)
 
     window: int = 32

@@ -33,6 +33,7 @@ observation (``obs.run``) or as the ``run`` argument of the stages that see whol
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -40,7 +41,56 @@ import torch
 
 from kvbudget.errors import BudgetError, MethodOptionError
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 from kvbudget.selection import protected_mask, select_keep
+
+#: one batch row's selection at its budget, ``(row, budget) → (protected, entries per head)``:
+#: the entries always kept ``[kv_heads, n]`` bool and how many each head keeps ``[kv_heads]``
+#: (protected ones included; an ``int``: the same in every head)
+RowSelection = Callable[[int, int], tuple[torch.Tensor, torch.Tensor | int]]
+
+
+def held_entries(lengths: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, kv_heads]`` entries each of ``heads`` heads holds after a prefill attention, on the CPU:
+    every head of a row holds the row's valid length (``lengths: [b]``, ``Observation.lengths``)."""
+    return lengths[:, None].expand(-1, heads).clone().cpu()
+
+
+def evict_rows(
+    obs: Observation,
+    scores: torch.Tensor,
+    targets: Sequence[int | None],
+    held: torch.Tensor,
+    select_row: RowSelection,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The layer-compression loop, written once: scores → budgets → keep indices → gather.
+
+    Every batch row with a budget in ``targets`` gets its protected entries and its entries per head
+    from ``select_row(row, budget)``; a row whose target is ``None`` keeps the ``held`` entries it
+    has. Per row and head the layer then keeps the protected entries and the best-``scores`` rest up
+    to that count (:func:`~kvbudget.selection.select_keep`) and gathers them (``layer.keep``).
+    :meth:`Method.compress_layer`, :meth:`Method.trim_to`, the profiled methods and the layer-wise
+    ones (:mod:`kvbudget.methods.layerwise`, outside its rank fast path) all run it.
+
+    Args:
+        obs: the layer (its ``layer`` is edited in place).
+        scores: ``[b, kv_heads, n]``, higher = keep.
+        targets: per batch row, its budget, or ``None`` to leave the row as it is.
+        held: ``[b, kv_heads]`` entries each head holds now.
+        select_row: the row's protected entries and entries per head at its budget.
+        valid: ``obs.valid`` ``[b, kv_heads, n]`` if the caller has it already (default: read it).
+    Returns:
+        ``[b, kv_heads]`` entries kept per head.
+    """
+    valid = obs.valid if valid is None else valid
+    protected = torch.zeros_like(valid)
+    kept = held.clone()
+    for r, target in enumerate(targets):
+        if target is not None:
+            protected[r], kept[r] = select_row(r, target)
+    obs.layer.keep(select_keep(scores, kept, valid, protected))
+    return kept
 
 
 @dataclass
@@ -95,7 +145,7 @@ class Method:
     #: whether the cache holds more than the budget by design (a prune method that keeps the full
     #: cache below its cut); the budget checks of the tests and the leaderboard's ¹ mark read it
     exceeds_budget: ClassVar[bool] = False
-    stages: ClassVar[tuple[str, ...]] = ("prefill",)
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL,)
     #: cascading methods re-evict earlier layers after each prefilled layer (:meth:`rebalance`)
     cascading: ClassVar[bool] = False
     #: values the ``layer_alloc`` / ``head_alloc`` options take (empty: the method refuses the option)
@@ -127,9 +177,9 @@ class Method:
         """Why ``option`` (``layer_alloc`` or ``head_alloc``) does not apply to this class."""
         if cls.fixed_allocation:
             return cls.fixed_allocation
-        if "prune" in cls.stages:
+        if Stage.PRUNE in cls.stages:
             return "a prune-stage method keeps one token set for every layer after its cut"
-        if "decode" in cls.stages:
+        if Stage.DECODE in cls.stages:
             return "it evicts while decoding, every layer and head back to the uniform budget"
         return "its budgets are fixed by the method"
 
@@ -258,22 +308,18 @@ class Method:
         """
         self.observe(obs)
         lengths = obs.lengths
-        heads = obs.num_kv_heads
-        kept = lengths[:, None].expand(-1, heads).clone().cpu()
+        held = held_entries(lengths, obs.num_kv_heads)
         if all(t is None for t in targets):
-            return kept
+            return held
         scores = self.score(obs)
         valid = obs.valid
-        protected = torch.zeros_like(valid)
-        for r, target in enumerate(targets):
-            if target is None:
-                continue
-            length = int(lengths[r])
-            protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
-            layer_budget = self.layer_budget(target, length, obs.layer_idx, obs.num_layers)
-            kept[r] = self.head_budgets(scores[r], layer_budget, protected[r], valid[r])
-        obs.layer.keep(select_keep(scores, kept, valid, protected))
-        return kept
+
+        def select_row(r: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+            protected = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
+            layer_budget = self.layer_budget(target, int(lengths[r]), obs.layer_idx, obs.num_layers)
+            return protected, self.head_budgets(scores[r], layer_budget, protected, valid[r])
+
+        return evict_rows(obs, scores, targets, held, select_row, valid)
 
     def rebalance(self, layers: list, targets: list[int | None], run: RunState) -> None:
         """Cascading methods: after ``layers[-1]`` was compressed, re-evict ``layers[:-1]``.
@@ -295,7 +341,7 @@ class Method:
     def edits_earlier_layers(self) -> bool:
         """Whether the method may change layers other than the one just prefilled (cascading
         re-eviction, or a post-prefill stage acting on every layer after the last one)."""
-        return self.cascading or "post_prefill" in self.stages
+        return self.cascading or Stage.POST_PREFILL in self.stages
 
     def record(self, obs: Observation, targets: list[int | None]) -> None:
         """Post-prefill methods: note what a layer's prefill attention tells (nothing is evicted yet).
@@ -352,19 +398,15 @@ class Method:
         """
         self.observe(obs)
         lengths = obs.layer.head_lengths()  # [b, h]
-        if all(int(lengths[r].max()) <= b for r, b in enumerate(row_budgets)):
+        over = [b if int(lengths[r].max()) > b else None for r, b in enumerate(row_budgets)]
+        if all(b is None for b in over):
             return
         scores = self.score(obs)
-        valid = obs.valid
-        protected = torch.zeros_like(valid)
-        budgets = lengths.clone()
-        for r, budget in enumerate(row_budgets):
-            if int(lengths[r].max()) > budget:
-                protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(budget), self.sinks)[
-                    0
-                ]
-                budgets[r] = budget
-        obs.layer.keep(select_keep(scores, budgets, valid, protected))
+
+        def select_row(r: int, budget: int) -> tuple[torch.Tensor, int]:
+            return protected_mask(obs.positions[r : r + 1], self.window_for(budget), self.sinks)[0], budget
+
+        evict_rows(obs, scores, over, lengths, select_row)
 
 
 _RENAMED: dict[tuple[type, str], type] = {}

@@ -12,6 +12,7 @@ from kvbudget.allocation import cake_preference
 from kvbudget.errors import MethodOptionError, UnknownMethodError
 from kvbudget.methods.layerwise import LayerwiseMethod, LayerwiseRun, pool_candidates
 from kvbudget.observation import Observation, reduce_group
+from kvbudget.phases import Stage
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import protected_mask, select_keep
 
@@ -123,7 +124,7 @@ class CAKE(LayerwiseMethod):
     )
     code: ClassVar[str] = "antgroup/cakekv"
     small_options: ClassVar[dict[str, Any]] = {"window": 4}
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     cascading: ClassVar[bool] = True
     fixed_allocation: ClassVar[str] = "CAKE's layer budgets are its cascading preference split"
     state_name = "cake_score"

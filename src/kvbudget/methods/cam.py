@@ -12,6 +12,7 @@ from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.merging import cam_merge
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
+from kvbudget.phases import Stage
 from kvbudget.selection import keep_within_limits
 
 
@@ -52,7 +53,7 @@ class CaM(Method):
     )
     code: ClassVar[str] = "zyxxmu/cam"
     kvpress: ClassVar[str] = "CAMPress"
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     state_name: ClassVar[str] = "cam_attention"
 
     window: int = 0

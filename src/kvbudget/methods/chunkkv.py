@@ -13,11 +13,12 @@ from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method, RunState, defined_classes
 from kvbudget.methods.combinations import COMBINATIONS
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 
 #: options of the inner scorer that ChunkKV passes on when the scorer has them (SnapKV's defaults)
 SCORER_OPTIONS: dict[str, Any] = {"kernel": 7, "pooling": "max", "reduce_rows": "sum", "reduce_heads": "mean"}
 #: stages whose methods have no per-layer score to put in chunks
-_NO_SCORE_STAGES = ("prune", "post_prefill", "lookahead")
+_NO_SCORE_STAGES = (Stage.PRUNE, Stage.POST_PREFILL, Stage.LOOKAHEAD)
 
 
 def chunk_ranking(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:

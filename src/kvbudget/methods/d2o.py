@@ -15,6 +15,7 @@ from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.merging import D2OMerge, d2o_merge
 from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation, reduce_group
+from kvbudget.phases import Stage
 from kvbudget.selection import keep_within_limits, protected_mask
 
 #: kinds of kept entries (:attr:`MergeEvent.kinds`)
@@ -142,7 +143,7 @@ class D2O(Method):
         "(`--opt threshold=false` merges every evicted entry), at every step"
     )
     code: ClassVar[str] = "AIoT-MLSys-Lab/d2o"
-    stages: ClassVar[tuple[str, ...]] = ("post_prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.POST_PREFILL, Stage.DECODE)
     state_name: ClassVar[str] = "d2o_attention"
     fixed_allocation: ClassVar[str] = (
         "D2O's layer split is its dynamic_layers option (True: by attention variance; False: uniform)"

@@ -9,6 +9,7 @@ import torch
 
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class FullCache(Method):
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "-"
     summary: ClassVar[str] = "keeps everything (reference)"
-    stages: ClassVar[tuple[str, ...]] = ()
+    stages: ClassVar[tuple[Stage, ...]] = ()
     fixed_allocation: ClassVar[str] = "the full cache keeps every entry"
     window: int = 0
 

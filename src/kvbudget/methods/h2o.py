@@ -10,6 +10,7 @@ import torch
 from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation, reduce_group
+from kvbudget.phases import Stage
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class H2O(Method):
     paper: ClassVar[str] = "arXiv:2306.14048"
     summary: ClassVar[str] = "accumulated attention (heavy hitters) + recent, one eviction per step"
     code: ClassVar[str] = "FMInference/H2O"
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     window: int = 0
     heavy_fraction: float = 0.5
     chunk: int = 512

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 
 
 def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,7 @@ class KeyDiff(Method):
     paper: ClassVar[str] = "arXiv:2504.15364"
     summary: ClassVar[str] = "keys least similar (cosine) to the mean key; query-free"
     kvpress: ClassVar[str] = "KeyDiffPress"
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     window: int = 0
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.kvzap import KVzap, KVzapRun
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 from kvbudget.selection import protected_mask, select_keep
 
 #: the per-entry state holding each kept entry's predicted score (its token's hidden state is gone)
@@ -59,7 +60,7 @@ class KVzapDecoding(KVzap):
         "enters, evicted once it leaves a 128-entry sliding window (by threshold, or held at the budget)"
     )
     kvpress: ClassVar[str] = "DMSPress"
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
 
     def start(self, model: Any = None) -> KVzapDecodingRun:
         return KVzapDecodingRun(surrogate=super().start(model).surrogate)

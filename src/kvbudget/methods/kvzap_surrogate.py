@@ -30,12 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kvbudget.cache import BudgetCache
 from kvbudget.errors import ProfileError
-from kvbudget.methods.full import FullCache
 from kvbudget.methods.kvzip_plus import KVzipPlus
+from kvbudget.prefill.record import hand_over, record_prefill
 from kvbudget.profiles import config_hash, kvbudget_version
-from kvbudget.session import CompressionSession, Phase
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -225,23 +223,14 @@ def kvzip_plus_pairs(
     Returns:
         ``x: [layers, m, hidden]`` fp32 and ``y: [layers, m, kv_heads]`` fp32 (``log S``), on the CPU.
     """
-    from kvbudget.attention import attach
-
-    attach(model)
     method = KVzipPlus()
     layers = model.config.num_hidden_layers
-    session = CompressionSession(FullCache(), layers, budget=1)
-    session.phase = Phase.RECORD
-    session.record_attention_inputs = True
-    cache = BudgetCache(layers, session)
     tensor = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
-    model(input_ids=tensor, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    session.method = method  # the reconstruction pass reads the run's prompts from the cache's session
-    session.run = method.start(model)
-    session.phase = Phase.OFF
+    recording = record_prefill(model, tensor, attention_inputs=True)
+    cache = hand_over(recording, method, model)  # the reconstruction reads the run's prompts from it
     scores, anchors = method.row_scores(model, cache, 0, tensor[0].cpu(), len(ids) - 1)
     first = max(anchors, skip)
-    x = torch.stack([session.attention_inputs[i][0, first:].float().cpu() for i in range(layers)])
+    x = torch.stack([recording.attention_inputs[i][0, first:].float().cpu() for i in range(layers)])
     y = torch.stack([s[:, first:].T.float().cpu() for s in scores]).clamp_min(1e-30).log()
     return x, y
 

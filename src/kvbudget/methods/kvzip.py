@@ -13,8 +13,9 @@ from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.masks import in_window
 from kvbudget.methods.base import Method, RunState
+from kvbudget.phases import Stage
 from kvbudget.selection import protected_mask, select_keep
-from kvbudget.session import CompressionSession, Phase
+from kvbudget.session import CompressionSession
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -104,7 +105,7 @@ class ReconstructionScores(CompressionSession):
         self, method: KVzip, num_layers: int, context: list[BudgetLayer], scores: list[torch.Tensor]
     ):
         super().__init__(method, num_layers, budget=1)
-        self.phase = Phase.RECONSTRUCT
+        self.begin_reconstruct()
         self.context = context
         self.scores = scores
         self.span = (0, 0, 0)  # lead, start, end
@@ -245,7 +246,7 @@ class KVzip(Method):
     kvpress: ClassVar[str] = "KVzipPress"
     #: two or more reconstruction passes on the tiny prompts
     small_options: ClassVar[dict[str, Any]] = {"chunk": 48}
-    stages: ClassVar[tuple[str, ...]] = ("lookahead",)
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.LOOKAHEAD,)
     fixed_allocation: ClassVar[str] = "its budgets come from its reconstruction scores (the level option)"
     #: the session that scores a reconstruction pass
     scores_session: ClassVar[type[ReconstructionScores]] = ReconstructionScores

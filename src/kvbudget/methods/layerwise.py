@@ -28,6 +28,7 @@ step (``tests/test_cascade_fast_path.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 from kvbudget.allocation import cascade_layer_budgets
 from kvbudget.cache import BudgetLayer
-from kvbudget.methods.base import Method, RunState
+from kvbudget.methods.base import Method, RunState, evict_rows, held_entries
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import protected_mask, select_keep
@@ -259,59 +260,76 @@ class LayerwiseMethod(Method):
 
     # ------------------------------------------------------------------ actions
     def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
+        """Compress one layer: each row's candidate budget (the cascade's step, or
+        :meth:`static_total`) split over the heads, through the shared loop
+        (:func:`~kvbudget.methods.base.evict_rows`) or the rank fast path (:meth:`_keep_by_rank`)."""
         self.observe(obs)
         lengths = obs.lengths
-        heads = obs.num_kv_heads
-        kept = lengths[:, None].expand(-1, heads).clone().cpu()
+        held = held_entries(lengths, obs.num_kv_heads)
         run = self.run_of(obs)
         plan = self._start(run, obs.layer_idx, len(targets)) if self.cascading else None
         run.num_layers = obs.num_layers
         if all(t is None for t in targets):
-            return kept
+            return held
         scores = self.score(obs).float()
         valid = obs.valid
-        protected = torch.zeros_like(valid)
         order = self.selection_order()
         if order is not None and not bool(torch.isfinite(scores[valid]).all()):
             order = None  # the generic path's tie order for ±inf / nan is not a rank order
-        ranks = None
+
+        def row_total(r: int, target: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+            """Row ``r``'s protected entries and candidates ``[kv_heads, n]`` and its candidate budget."""
+            protected = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
+            candidates = valid[r] & ~protected
+            n_protected = int(protected[0].sum())
+            if plan is None:
+                return protected, candidates, self.static_total(target, int(lengths[r]), n_protected, obs)
+            if plan.rows[r] is None:
+                total = self.model_total(target, n_protected, obs.num_layers, obs.num_kv_heads)
+                plan.rows[r] = RowPlan(total, n_protected)
+            weight = self.layer_weight(obs, scores, r, candidates)
+            total = plan.rows[r].step(obs.layer_idx, weight, self.layer_capacity(candidates))
+            return protected, candidates, total
+
         if order is not None:
-            ranks = torch.full(scores.shape, NEVER, dtype=torch.int32, device=scores.device)
+            return self._keep_by_rank(obs, scores, valid, targets, order, row_total, plan is not None)
+
+        def select_row(r: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+            protected, candidates, total = row_total(r, target)
+            bounds = candidates.sum(-1).cpu()
+            counts = self.split_for(run, r, obs.layer_idx, target, scores[r], candidates, total, bounds)
+            return protected, counts.cpu() + protected.sum(-1).cpu()
+
+        if plan is not None:  # the scores a later rebalance re-evicts from, gathered with the layer
+            obs.layer.state[self.state_name] = scores
+        return evict_rows(obs, scores, targets, held, select_row, valid)
+
+    def _keep_by_rank(
+        self,
+        obs: Observation,
+        scores: torch.Tensor,
+        valid: torch.Tensor,
+        targets: list[int | None],
+        order: str,
+        row_total: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, int]],
+        store: bool,
+    ) -> torch.Tensor:
+        """The rank fast path of :meth:`compress_layer`: each row's entries ranked in the fixed
+        ``order`` (:func:`candidate_ranks`), kept below the row's candidate budget; ``store`` keeps
+        the ranks as per-entry state for :meth:`rebalance`; ``valid``: ``obs.valid``. Returns
+        ``[b, kv_heads]`` kept entries."""
+        ranks = torch.full(scores.shape, NEVER, dtype=torch.int32, device=scores.device)
         thresholds = [0] * len(targets)
         for r, target in enumerate(targets):
-            if target is None:
-                if ranks is not None:  # keep the whole row
-                    ranks[r] = torch.where(valid[r], -1, NEVER)
+            if target is None:  # keep the whole row
+                ranks[r] = torch.where(valid[r], -1, NEVER)
                 continue
-            protected[r] = protected_mask(obs.positions[r : r + 1], self.window_for(target), self.sinks)[0]
-            candidates = valid[r] & ~protected[r]
-            n_protected = int(protected[r][0].sum())
-            if plan is not None:
-                if plan.rows[r] is None:
-                    plan.rows[r] = RowPlan(
-                        self.model_total(target, n_protected, obs.num_layers, heads), n_protected
-                    )
-                weight = self.layer_weight(obs, scores, r, candidates)
-                total = plan.rows[r].step(obs.layer_idx, weight, self.layer_capacity(candidates))
-            else:
-                total = self.static_total(target, int(lengths[r]), n_protected, obs)
-            if ranks is not None:
-                ranks[r] = candidate_ranks(scores[r], candidates, protected[r], order)
-                thresholds[r] = total
-                continue
-            counts = self.split_for(
-                run, r, obs.layer_idx, target, scores[r], candidates, total, candidates.sum(-1).cpu()
-            )
-            kept[r] = counts.cpu() + protected[r].sum(-1).cpu()
-        if ranks is not None:
-            keep, kept = below(ranks, thresholds)
-            if plan is not None:
-                obs.layer.state[self.state_name] = ranks
-            obs.layer.keep(keep)
-            return kept
-        if plan is not None:
-            obs.layer.state[self.state_name] = scores
-        obs.layer.keep(select_keep(scores, kept, valid, protected))
+            protected, candidates, thresholds[r] = row_total(r, target)
+            ranks[r] = candidate_ranks(scores[r], candidates, protected, order)
+        keep, kept = below(ranks, thresholds)
+        if store:
+            obs.layer.state[self.state_name] = ranks
+        obs.layer.keep(keep)
         return kept
 
     def rebalance(self, layers: list, targets: list[int | None], run: LayerwiseRun) -> None:

@@ -38,7 +38,8 @@ from kvbudget.methods.lava import LAVa
 from kvbudget.methods.snapkv import SnapKV
 from kvbudget.methods.streamingllm import StreamingLLM
 from kvbudget.observation import Observation
-from kvbudget.session import CompressionSession, Phase, replay_prefill
+from kvbudget.phases import Stage
+from kvbudget.session import CompressionSession, replay_prefill
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -245,7 +246,7 @@ class LookaheadMixin:
     On a model without GQA (``g = 1``) both settings run the very same code.
     """
 
-    stages: ClassVar[tuple[str, ...]] = ("lookahead",)
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.LOOKAHEAD,)
 
     steps: int = 8
     lookahead_method: str = "snapkv"
@@ -394,7 +395,8 @@ class LookaheadMixin:
 
         for _ in replay_prefill(clone, cache.layers, session.recorded_queries, session.scaling, copy):
             pass  # compress the clone as its prefill would have
-        capture.phase, capture.capturing = Phase.DECODE, True
+        capture.begin_decode()
+        capture.capturing = True
         device = logits.device
         stop = torch.tensor(sorted(eos), dtype=torch.long, device=device)
         token = logits.argmax(-1)

@@ -27,10 +27,11 @@ import torch
 
 from kvbudget.allocation import largest_remainder_round, squeeze_layer_weights
 from kvbudget.errors import BudgetError, MethodOptionError, ProfileError
-from kvbudget.methods.base import Method, RunState
+from kvbudget.methods.base import Method, RunState, evict_rows, held_entries
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 from kvbudget.profiles import Profile, resolve_profile
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import protected_mask
 
 
 def bounded_budgets(shares: torch.Tensor, total: int, capacity: int) -> torch.Tensor:
@@ -117,7 +118,7 @@ class ProfiledMethod(Method):
         sinks: first tokens always kept (4). window: unused by StreamingLLM eviction (0).
     """
 
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     #: how many entries each head keeps — "layer" (uniform inside a layer) or "cache" (per KV head)
     granularity: ClassVar[str] = "layer"
     fixed_allocation: ClassVar[str] = "its budgets per layer and head come from the offline profile"
@@ -256,8 +257,7 @@ class ProfiledMethod(Method):
     def compress_layer(self, obs: Observation, targets: list[int | None]) -> torch.Tensor:
         self.observe(obs)
         lengths = obs.lengths
-        heads = obs.num_kv_heads
-        kept = lengths[:, None].expand(-1, heads).clone().cpu()
+        held = held_entries(lengths, obs.num_kv_heads)
         run = self.run_of(obs)
         if obs.layer_idx == 0:  # a new prefill: first valid position of each row (left padding)
             first = obs.positions[:, 0].masked_fill(~obs.valid[:, 0], 1 << 62).amin(-1)
@@ -266,25 +266,25 @@ class ProfiledMethod(Method):
             # the prompt length each compressed row's plan was made for, held through the decode
             run.capacities = {r: int(obs.lengths[r]) for r, t in enumerate(targets) if t is not None}
         if all(t is None for t in targets):
-            return kept
+            return held
         self.check_shape(run, obs)
         scores = self.score(obs)
         valid = obs.valid
-        protected = torch.zeros_like(valid)
-        for r, target in enumerate(targets):
-            if target is None:
-                continue
+
+        def select_row(r: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Each cache's budget from the plan; its sinks and most recent entries protected."""
             length = int(lengths[r])
             budgets = self.cache_budgets(run, target, length, self.row_ratio(run, r, target, length))
             budgets = budgets[obs.layer_idx]
-            for h in range(heads):
+            protected = torch.zeros_like(valid[r])
+            for h in range(budgets.shape[0]):
                 b = int(budgets[h])
                 window = min(self.head_window(b), b)
                 sinks = min(self.sinks, b - window)
-                protected[r, h] = protected_mask(obs.positions[r : r + 1, h : h + 1], window, sinks)[0, 0]
-            kept[r] = budgets
-        obs.layer.keep(select_keep(scores, kept, valid, protected))
-        return kept
+                protected[h] = protected_mask(obs.positions[r : r + 1, h : h + 1], window, sinks)[0, 0]
+            return protected, budgets
+
+        return evict_rows(obs, scores, targets, held, select_row, valid)
 
     def decode_step(self, obs: Observation, row_budgets: list[int]) -> None:
         """StreamingLLM eviction per cache: keep the first ``sinks`` and the most recent entries.

@@ -27,6 +27,7 @@ import torch
 from kvbudget.errors import InputError, MethodOptionError
 from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 
 
 @dataclass
@@ -71,7 +72,7 @@ class PruneMethod(Method):
             (SnapKV-like) after their attention, as prefill-stage methods do.
     """
 
-    stages: ClassVar[tuple[str, ...]] = ("prune",)
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PRUNE,)
     two_pass: ClassVar[bool] = False
     compress_cache: ClassVar[bool] = True
 

@@ -10,6 +10,7 @@ import torch
 from kvbudget.errors import MethodOptionError, ProfileError
 from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 from kvbudget.profiles import resolve_profile
 
 
@@ -61,7 +62,7 @@ class QFilter(Method):
     code: ClassVar[str] = "NathanGodey/qfilters"
     kvpress: ClassVar[str] = "QFilterPress"
     small_options: ClassVar[dict[str, Any]] = {"window": 4}
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     window: int = 64
     profile: str = ""
 

@@ -10,6 +10,7 @@ import torch
 from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method, RunState
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 from kvbudget.scoring import pool_keys
 from kvbudget.selection import keep_within_limits, protected_mask
 
@@ -79,7 +80,7 @@ class RKV(Method):
     code: ClassVar[str] = "Zefan-Cai/R-KV"
     #: re-selects after every decoded token: the cache stays at the budget
     small_options: ClassVar[dict[str, Any]] = {"buffer": 1}
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     window: int = 8
     kernel: int = 7
     buffer: int = 128

@@ -10,6 +10,7 @@ import torch
 from kvbudget.errors import MethodOptionError
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class StreamingLLM(Method):
     paper: ClassVar[str] = "arXiv:2309.17453"
     summary: ClassVar[str] = "4 sinks + recent window, at every step"
     kvpress: ClassVar[str] = "StreamingLLMPress"
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     window: int = 0
     sinks: int = 4
     rerotate: bool = False

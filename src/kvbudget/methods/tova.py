@@ -9,6 +9,7 @@ import torch
 
 from kvbudget.methods.base import Method
 from kvbudget.observation import Observation
+from kvbudget.phases import Stage
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class TOVA(Method):
     summary: ClassVar[str] = "last query's head-averaged attention, one set per layer"
     code: ClassVar[str] = "schwartz-lab-NLP/TOVA"
     kvpress: ClassVar[str] = "TOVAPress"
-    stages: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    stages: ClassVar[tuple[Stage, ...]] = (Stage.PREFILL, Stage.DECODE)
     window: int = 0
 
     def score(self, obs: Observation) -> torch.Tensor:

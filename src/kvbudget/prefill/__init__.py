@@ -14,5 +14,10 @@ Strategies, side by side:
   they selected; both strategies above hand such a method to it.
 
 What they share (prompt batching, the compressed part's forward, lookahead, the uncompressed
-question of a question-agnostic run) is :mod:`kvbudget.prefill.common`.
+question of a question-agnostic run) is :mod:`kvbudget.prefill.common`; a full prefill recorded for
+later (the derived strategy's snapshot, KVzap's training pairs) is
+:func:`kvbudget.prefill.record.record_prefill`; a decode-stage method's running cache (the chunked
+perplexity) is :func:`kvbudget.prefill.layerwise.prefill_for_decoding`. Every prefill goes through
+this package, and none moves a session between phases by hand: the session's named transitions do
+(:mod:`kvbudget.session`).
 """

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.cache import BudgetCache
-from kvbudget.session import Phase
+from kvbudget.phases import Stage
 
 
 @dataclass
@@ -104,13 +104,19 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -
 
 
 def forward_last_logits(
-    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BudgetCache
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    cache: BudgetCache,
 ) -> torch.Tensor:
-    """One forward over ``ids: [b, q]``; returns the last position's logits ``[b, vocab]``."""
+    """One forward over ``ids: [b, q]`` into ``cache`` (padding ``mask`` and RoPE ``positions``
+    ``[b, q]``, or ``None``: no padding, positions from the cache's length); returns the last
+    position's logits ``[b, vocab]``."""
     out = model(
         input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        position_ids=positions.to(model.device),
+        attention_mask=None if mask is None else mask.to(model.device),
+        position_ids=None if positions is None else positions.to(model.device),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
@@ -141,7 +147,7 @@ def run_lookahead(
     (default: the model's). No-op for other methods.
     """
     session = cache.session
-    if session is None or "lookahead" not in session.method.stages:
+    if session is None or Stage.LOOKAHEAD not in session.method.stages:
         return
     cut = inputs.compressed_until
     if eos is None:
@@ -164,7 +170,7 @@ def append_uncompressed(
         return None
     session = cache.session
     if session is not None:
-        session.phase = Phase.OFF
+        session.stop()
     cut = inputs.compressed_until
     logits = forward_last_logits(model, inputs.ids[:, cut:], inputs.mask, inputs.positions[:, cut:], cache)
     if session is not None:

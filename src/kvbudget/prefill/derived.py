@@ -21,25 +21,22 @@ read the full cache, whatever the budget), each run still counting the pass's ti
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import PreTrainedModel
 
-from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.base import Method
-from kvbudget.methods.full import FullCache
+from kvbudget.phases import Stage
 from kvbudget.prefill.common import (
     PrefillInputs,
     Snapshot,
     append_uncompressed,
-    prefill_compressed_part,
     run_lookahead,
 )
 from kvbudget.prefill.pruned import decoder_parts, derive_pruned
-from kvbudget.session import CompressionSession, Phase, replay_prefill
+from kvbudget.prefill.record import record_prefill
+from kvbudget.session import CompressionSession, replay_prefill
 
 
 @torch.inference_mode()
@@ -52,28 +49,25 @@ def take_snapshot(
     so prune-stage methods can derive from the snapshot too. ``attention_inputs``: also keep each
     attention module's input (as many floats), for methods that score from it (KVzap).
     """
-    attach(model)
-    recorder = CompressionSession(FullCache(), model.config.num_hidden_layers, budget=1)
-    recorder.phase = Phase.RECORD
-    recorder.record_attention_inputs = attention_inputs
-    cache = BudgetCache(model.config.num_hidden_layers, recorder)
     hidden: list[torch.Tensor] = []
     hooks = []
     if hidden_states:
         for layer in decoder_parts(model).layers:  # removed below: the model is left as it was
             hooks.append(layer.register_forward_hook(lambda _m, _a, out: hidden.append(_first(out))))
-    start = time.perf_counter()
+    cut = inputs.compressed_until
     try:
-        logits = prefill_compressed_part(model, inputs, cache)
+        recording = record_prefill(
+            model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], attention_inputs
+        )
     finally:
         for hook in hooks:
             hook.remove()
-    seconds = time.perf_counter() - start
+    cache = recording.cache
     cache.session = None
     return Snapshot(
-        inputs, cache, recorder.recorded_queries, recorder.scaling, logits, seconds,
+        inputs, cache, recording.queries, recording.scaling, recording.logits, recording.seconds,
         hidden if hidden_states else None,
-        attention_inputs=recorder.attention_inputs if attention_inputs else None,
+        attention_inputs=recording.attention_inputs if attention_inputs else None,
     )  # fmt: skip
 
 
@@ -108,7 +102,7 @@ def derive(
     session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model)
     session.observation_memos = snapshot.memos
     session.lookahead_memo = snapshot.lookahead_memo
-    if "prune" in method.stages:
+    if Stage.PRUNE in method.stages:
         if snapshot.hidden is None:
             raise KVBudgetError(
                 f"{method.name} is a prune-stage method: it changes the prefill forward after the layer "
@@ -116,7 +110,7 @@ def derive(
                 "take it with take_snapshot(..., hidden_states=True)"
             )
         cache, logits, inputs = derive_pruned(model, snapshot, session)
-        session.phase = Phase.DECODE
+        session.begin_decode()
         return cache, logits, inputs.mask, inputs.positions[:, -1]
     if getattr(method, "wants_attention_inputs", False) and snapshot.attention_inputs is None:
         raise KVBudgetError(
@@ -135,6 +129,6 @@ def derive(
         pass  # every layer
     run_lookahead(model, snapshot.inputs, cache, snapshot.logits, eos)
     logits = append_uncompressed(model, snapshot.inputs, cache)
-    session.phase = Phase.DECODE
+    session.begin_decode()
     inputs = snapshot.inputs
     return cache, snapshot.logits if logits is None else logits, inputs.mask, inputs.positions[:, -1]

@@ -8,16 +8,18 @@ from transformers import PreTrainedModel
 
 from kvbudget.attention import attach
 from kvbudget.cache import BudgetCache
+from kvbudget.phases import Stage
 from kvbudget.prefill.common import (
     PrefillInputs,
     Prompt,
     append_uncompressed,
+    forward_last_logits,
     prefill_compressed_part,
     prefill_inputs,
     run_lookahead,
 )
 from kvbudget.prefill.pruned import prune_prefill
-from kvbudget.session import CompressionSession, Phase
+from kvbudget.session import CompressionSession
 
 
 def prefill_batch(
@@ -32,14 +34,31 @@ def prefill_batch(
     Returns the cache, the last position's logits ``[b, vocab]`` and the inputs the cache describes
     (``inputs`` itself, or a two-pass method's selected tokens with re-indexed positions).
     """
-    if "prune" in session.method.stages:
+    if Stage.PRUNE in session.method.stages:
         return prune_prefill(model, inputs, session)
     cache = BudgetCache(model.config.num_hidden_layers, session)
-    session.phase = Phase.PREFILL
+    session.begin_prefill()
     logits = prefill_compressed_part(model, inputs, cache)
     run_lookahead(model, inputs, cache, logits, eos)
     question_logits = append_uncompressed(model, inputs, cache)
     return cache, logits if question_logits is None else question_logits, inputs
+
+
+def prefill_for_decoding(
+    model: PreTrainedModel, ids: torch.Tensor, session: CompressionSession
+) -> tuple[BudgetCache, torch.Tensor]:
+    """A decode-stage method's running cache: ``ids: [b, T]`` (no padding; positions ``0..T−1``)
+    prefilled into a new BudgetCache with ``session``, each layer compressed right after its
+    attention, and the session left decoding (it trims after every later forward).
+
+    Returns the cache and the last position's logits ``[b, vocab]``. The chunked perplexity's
+    decode-stage runs use it (:mod:`kvbudget.eval.tasks.perplexity`).
+    """
+    cache = BudgetCache(model.config.num_hidden_layers, session)
+    session.begin_prefill()
+    logits = forward_last_logits(model, ids, None, None, cache)
+    session.begin_decode()
+    return cache, logits
 
 
 @torch.inference_mode()

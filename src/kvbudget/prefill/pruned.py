@@ -32,7 +32,7 @@ from kvbudget.cache import BudgetCache
 from kvbudget.errors import UnsupportedModelError
 from kvbudget.methods.prune_base import PruneMethod
 from kvbudget.prefill.common import PrefillInputs, Snapshot, append_uncompressed
-from kvbudget.session import CompressionSession, Phase, replay_prefill
+from kvbudget.session import CompressionSession, replay_prefill
 
 
 @dataclass
@@ -178,11 +178,11 @@ def _run_from(
                 if run.scouting and run.selected and run.scouting_done(targets):
                     return None
                 continue
-            cuts = run.take_cuts()
-            if cuts:
-                seq = seq.cut(cuts)
-                rotary = parts.rope(seq.hidden, seq.rope)
-                pruned = True
+            if not run.cuts:  # read in place: the run is asked for its cuts only when there are some
+                continue
+            seq = seq.cut(run.take_cuts())
+            rotary = parts.rope(seq.hidden, seq.rope)
+            pruned = True
     finally:
         cache.pruned_slots = None
     logits = parts.logits(seq.hidden if all_logits else seq.hidden[:, -1:])
@@ -220,7 +220,7 @@ def prune_prefill(
     num_layers = model.config.num_hidden_layers
     method.begin_prune(session.run, inputs.ids.shape[0], num_layers)
     cache = BudgetCache(num_layers, session)
-    session.phase = Phase.PREFILL
+    session.begin_prefill()
     cut = inputs.compressed_until
     logits = run_layers(
         model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method
@@ -253,8 +253,8 @@ def derive_pruned(
                 logits = None
                 break
             continue
-        cuts = run.take_cuts()
-        if cuts:
+        if run.cuts:
+            cuts = run.take_cuts()
             session.observation_memos = None  # deeper layers see only the kept tokens
             parts = decoder_parts(model)
             cut = inputs.compressed_until
@@ -304,7 +304,7 @@ def _finish(
         run.scouting = False  # the second pass runs the selected tokens only
         session.kept = None
         cache = BudgetCache(num_layers, session)
-        session.phase = Phase.PREFILL
+        session.begin_prefill()
         cut = inputs.compressed_until
         logits = run_layers(
             model, inputs.ids[:, :cut], inputs.mask[:, :cut], inputs.positions[:, :cut], cache, method

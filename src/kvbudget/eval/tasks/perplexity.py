@@ -32,7 +32,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach
-from kvbudget.cache import BudgetCache
 from kvbudget.data import austen_novels
 from kvbudget.engine import prefill_batch
 from kvbudget.errors import BudgetError, InputError
@@ -40,8 +39,10 @@ from kvbudget.eval.sample import Sample
 from kvbudget.eval.tasks.base import TaskSpec
 from kvbudget.methods.base import Method, RunState
 from kvbudget.methods.profiled import ProfiledMethod
+from kvbudget.phases import Stage
 from kvbudget.prefill.common import PrefillInputs
-from kvbudget.session import CompressionSession, Phase
+from kvbudget.prefill.layerwise import prefill_for_decoding
+from kvbudget.session import CompressionSession
 
 #: Share of each evaluation passage that is context only and never scored (:func:`scored_from`).
 CONTEXT_SHARE = 0.5
@@ -193,12 +194,8 @@ def _chunked_perplexity(
         logits = model(ids).logits[0, start - 1 : -1]
         return PerplexityResult(float(_nll(logits, ids[0, start:])) / (total - start), total - start, total)
     nll, scored, peak = 0.0, 0, 0
-    if "decode" in method.stages:
-        session = session_for()
-        cache = BudgetCache(layers, session)
-        session.phase = Phase.PREFILL
-        logits = model(ids[:, :start], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1:]
-        session.phase = Phase.DECODE
+    if Stage.DECODE in method.stages:
+        cache, logits = prefill_for_decoding(model, ids[:, :start], session_for())
         for pos in range(start, total, chunk):
             stop = min(pos + chunk, total)
             nll += float(_nll(logits, ids[0, pos : pos + 1]))
@@ -217,7 +214,7 @@ def _chunked_perplexity(
             )
             cache, prefix_logits, prefix = prefill_batch(model, prefix, session)
             next_pos = int(prefix.positions[0, -1]) + 1  # a two-pass method's positions are re-indexed
-            session.phase = Phase.OFF
+            session.stop()  # the chunk is scored on the compressed prefix, uncompressed
             positions = torch.arange(next_pos, next_pos + stop - pos, device=ids.device)[None]
             out = model(ids[:, pos:stop], position_ids=positions, past_key_values=cache, use_cache=True)
             out = out.logits[0]

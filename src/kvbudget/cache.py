@@ -51,9 +51,11 @@ class CacheSession(Protocol):
     cache: :class:`kvbudget.session.CompressionSession` in the engine (the cache sits below it and
     knows it only through this)."""
 
-    #: what the next forward is (a :class:`~kvbudget.phases.Phase`: prefill, decode, record, off,
-    #: or a method's own pass over a cache); only the session moves it (see :mod:`kvbudget.session`)
-    phase: Phase
+    @property
+    def phase(self) -> Phase:
+        """What the next forward is (prefill, decode, record, off, or a method's own pass over a
+        cache); read-only: only the session moves it (see :mod:`kvbudget.session`)."""
+        ...
 
     @property
     def compresses(self) -> bool:

@@ -74,8 +74,8 @@ def test_a_press_screened_on_fewer_samples_waits_until_it_finishes_them():
 def test_a_single_best_is_named_without_a_tie_note():
     tables = _load()
     means = {"a": 0.5, "b": 0.75, "c": 0.25}
-    assert tables._best(list(means), means) == "b"
-    assert tables._best_cell("b", list(means), means) == "b 75.0"
+    assert tables.best_label(list(means), means) == "b"
+    assert tables.best_cell("b", list(means), means) == "b 75.0"
 
 
 def test_each_kvpress_press_is_paired_with_a_registered_method_of_the_same_name():

@@ -44,9 +44,9 @@ def scores(rows: list[dict], ratio: float) -> dict[str, float]:
     mine = [
         r for r in rows if row_column(r) == column and r.get("score") is not None and r.get("error") is None
     ]
-    complete = ct._complete_tasks(mine, column)
+    complete = ct.complete_tasks(mine, column)
     return {
-        label: ct._mean_over_tasks(mine, label, column, set(CORE))
+        label: ct.mean_over_tasks(mine, label, column, set(CORE))
         for label, tasks in complete.items()
         if label != "full" and set(CORE) <= tasks
     }
@@ -139,13 +139,13 @@ def goal_lines(rows: list[dict], added: dict[str, float] | None) -> list[str]:
     kvzip+ at r = 0.5)."""
     lines = ["| r | kvzap − kvzip+ [95% CI] | tasks | level with kvzip+? |", "|---|---|---|---|"]
     for ratio in RATIOS:
-        pair = ct._try(rows, "kvzap", "kvzip+", ("r", ratio), set(CORE))
+        pair = ct.paired_on_finished_tasks(rows, "kvzap", "kvzip+", ("r", ratio), set(CORE))
         if pair is None or set(pair.tasks) != set(CORE):
             done = len(pair.tasks) if pair else 0
             lines.append(f"| {ratio:g} | – | {done} of {len(CORE)} | pending |")
             continue
         level = "yes" if pair.verdict == "no clear difference" else "no"
-        lines.append(f"| {ratio:g} | {ct._cell(pair)} | {len(CORE)} | {level} |")
+        lines.append(f"| {ratio:g} | {ct.difference_cell(pair)} | {len(CORE)} | {level} |")
     if added is not None:
         share = added["kvzap"] / added["kvzip"]
         met = "met" if share <= GOAL_SHARE else "not met"
@@ -157,14 +157,14 @@ def goal_lines(rows: list[dict], added: dict[str, float] | None) -> list[str]:
         ]
     mine = [r for r in rows if r["label"] == THRESHOLD_LABEL and r.get("score") is not None]
     column = ("r", 0.5)
-    if set(CORE) <= ct._complete_tasks(mine, column).get(THRESHOLD_LABEL, set()):
+    if set(CORE) <= ct.complete_tasks(mine, column).get(THRESHOLD_LABEL, set()):
         reached = [reached_ratio(r) for r in mine]
-        score = ct._mean_over_tasks(mine, THRESHOLD_LABEL, column, set(CORE))
-        pair = ct._try(rows, THRESHOLD_LABEL, "kvzip+", column, set(CORE))
+        score = ct.mean_over_tasks(mine, THRESHOLD_LABEL, column, set(CORE))
+        pair = ct.paired_on_finished_tasks(rows, THRESHOLD_LABEL, "kvzip+", column, set(CORE))
         lines += ["", f"`{THRESHOLD_LABEL}` (adaptive) removed {100 * statistics.mean(reached):.1f}% of the "
                   f"context on average ({100 * min(reached):.1f}–{100 * max(reached):.1f}% across rows) and "
                   f"scores {100 * score:.1f} over the core tasks; paired with kvzip+ at r = 0.5 (which "
-                  f"removes 50%): {ct._cell(pair)} ({pair.verdict})."]  # fmt: skip
+                  f"removes 50%): {ct.difference_cell(pair)} ({pair.verdict})."]  # fmt: skip
     else:
         lines += ["", f"`{THRESHOLD_LABEL}` (adaptive): pending ({len(mine)} rows)."]
     return lines

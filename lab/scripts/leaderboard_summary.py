@@ -124,9 +124,8 @@ def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
                 if track == "question-agnostic":
                     started = partial_run_agreement(rows, ratio, pair.ours, press)
                     partial += [started] if started else []
-            lines.append(
-                f"| {track} | {ratio:g} | {ours} | {peer} | {ct._cell(pair.diff)} | {len(pair.tasks)} |"
-            )
+            difference = ct.difference_cell(pair.diff)
+            lines.append(f"| {track} | {ratio:g} | {ours} | {peer} | {difference} | {len(pair.tasks)} |")
     if notes:
         lines += ["", same_method_note(list(notes.values()), partial)]
     return lines

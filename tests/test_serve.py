@@ -286,7 +286,7 @@ def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_toke
         ({"model": "gpt-9", "messages": HI}, 404, "does not exist"),
         ({"model": NAME, "messages": [{"role": "user", "content": "x" * 1100}]}, 400, "limit of 1024"),
         ({"model": NAME, "messages": HI, "kvbudget": {"method": "nope"}}, 400, "unknown method"),
-        ({"model": NAME, "messages": HI, "kvbudget": {"budget": 0}}, 400, "kvbudget.budget: input should be greater than or equal to 1"),
+        ({"model": NAME, "messages": HI, "kvbudget": {"budget": 0}}, 400, "kvbudget.budget: input"),
         ({"model": NAME, "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
         ({"model": NAME, "messages": []}, 400, "messages"),
     ],

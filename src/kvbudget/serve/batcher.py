@@ -29,6 +29,7 @@ from kvbudget.errors import InputError
 from kvbudget.joined_cache import JoinedCache
 from kvbudget.methods.base import Method
 from kvbudget.methods.spec import MethodSpec
+from kvbudget.phases import Stage
 from kvbudget.prefill.common import Prompt, forward_last_logits
 from kvbudget.session import CompressionSession
 
@@ -258,7 +259,7 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     method, comp = seq.method, seq.compression
     if (
         method.name == "full"
-        or {"post_prefill", "lookahead", "prune"} & set(method.stages)
+        or {Stage.POST_PREFILL, Stage.LOOKAHEAD, Stage.PRUNE} & set(method.stages)
         or method.edits_earlier_layers
         or type(method).exceeds_budget
     ):

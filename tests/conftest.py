@@ -17,7 +17,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+#: torch threads per test process: the cores shared among pytest-xdist's workers (``-n N`` sets
+#: PYTEST_XDIST_WORKER_COUNT in each), at most 2, so ``make test``'s workers do not oversubscribe them
+THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(THREADS)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,6 +49,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> None:
+    """Each test starts on :data:`THREADS` torch threads, whatever an earlier test in the process set
+    (the bench and throughput runs set ``--threads`` in-process): a test's sums do not depend on
+    which tests ran before it in the same worker."""
+    torch.set_num_threads(THREADS)
 
 
 TINY = dict(

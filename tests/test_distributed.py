@@ -104,6 +104,7 @@ def test_ray_rows_equal_the_local_runner_and_each_resumes_the_other(tmp_path, ti
     _same_rows(_by_key(mixed), theirs)
 
 
+@pytest.mark.slow  # a kill mid-run and a resume (soak-style): `-m "not slow"` leaves it out
 def test_a_worker_killed_mid_run_gives_every_row_exactly_once(tmp_path, tiny_dir, cluster):
     out = tmp_path / "run"
     evaluation = RayEval(_config(tiny_dir, limit=8), out, RayOptions(workers=2), progress=False)
@@ -134,6 +135,7 @@ def test_a_worker_killed_mid_run_gives_every_row_exactly_once(tmp_path, tiny_dir
     assert sorted({r["sample"] for r in rows.values()}) == list(range(8))
 
 
+@pytest.mark.slow  # a kill mid-run and a resume (soak-style): `-m "not slow"` leaves it out
 def test_a_killed_driver_resumes_without_duplicates(tmp_path, tiny_dir, cluster):
     """A separate driver joins the cluster (``--ray-address``); it is killed once rows arrive and
     the same command, rerun, adds exactly the missing rows."""

@@ -129,6 +129,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # a kill mid-run and a resume (soak-style): `-m "not slow"` leaves it out
 def test_killed_eval_resumes_with_every_row_exactly_once(tmp_path, tiny_dir):
     out = tmp_path / "run"
     cmd = [

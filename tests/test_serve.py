@@ -260,8 +260,11 @@ def test_a_whole_answer_whose_request_is_cancelled_stops_decoding(model_and_toke
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kvbudget") as http:
             request = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-            while scheduler.stats()["active"] == 0:
+            deadline = time.monotonic() + 60
+            while scheduler.stats()["active"] == 0 and not request.done():
+                assert time.monotonic() < deadline, "the request never became active"
                 await asyncio.sleep(0.001)
+            assert not request.done(), request.result().text  # answered before it was cancelled
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request

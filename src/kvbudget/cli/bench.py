@@ -189,6 +189,14 @@ def bench_serve(
             "held, memory and speed; every request decodes --max-tokens and no accuracy is reported."
         ),
     ] = False,
+    soak: Annotated[
+        float | None,
+        typer.Option(
+            help="Instead of the benchmark, a soak of SECONDS (at most 600): --clients send random chats, "
+            "streams they drop, follow-ups and bad requests with --methods under --memory-cap (default "
+            "64MiB); checks no 5xx, nothing lost, KV back to the kept turns, memory back to the warm-up's."
+        ),
+    ] = None,
 ) -> None:
     """Load `kvbudget serve` with concurrent clients: sequences held at once, tokens/s, TTFT/TPOT and
     accuracy, full cache vs compressed methods under one KV cap (docs/serving.md)."""
@@ -196,6 +204,9 @@ def bench_serve(
         from kvbudget.bench.serve_load import ServeBenchConfig, run_serve_bench
     from kvbudget.units import parse_size
 
+    if soak is not None:
+        bench_soak(model, methods, memory_cap, clients, soak, check.dtype(dtype), device, out)
+        return
     check.at_least(clients, 1, "--clients")
     check.at_least(requests, 1, "--requests")
     check.at_least(length, 64, "--length")
@@ -224,6 +235,35 @@ def bench_serve(
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())
+
+
+def bench_soak(
+    model: str, methods: list[str] | None, memory_cap: str | None, clients: int, seconds: float, dtype: str,
+    device: str, out: Path,
+) -> None:  # fmt: skip
+    """``kvbudget bench serve --soak``: :func:`kvbudget.bench.serve_soak.run_soak`; exit code 1 when a
+    check fails."""
+    with needs_extra("serve", "kvbudget bench serve --soak"):
+        from kvbudget.bench.serve_soak import SoakConfig, run_soak, write_soak
+    from kvbudget.models import load_model, resolve_device
+    from kvbudget.units import parse_size
+
+    config = SoakConfig(seconds=seconds, clients=clients)
+    if methods:
+        config.methods = split_values(methods)
+    if memory_cap:
+        config.cap_bytes = parse_size(memory_cap)
+    config.check()
+    check.model_source(model)
+    check.output_dir(out, "--out")
+    resolve_device(device)
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    result = run_soak(lm, tokenizer, config, progress=lambda line: print(line, file=sys.stderr))
+    command = " ".join(["kvbudget", *sys.argv[1:]]) if sys.argv else "kvbudget bench serve --soak"
+    report = write_soak(result, out, f"{model} ({dtype})", command)
+    console.print(report.read_text())
+    if not result["ok"]:
+        raise typer.Exit(1)
 
 
 @user_errors

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging.config
 from typing import Annotated
 
 import typer
@@ -45,6 +45,18 @@ def serve(
     served_name: Annotated[
         str | None, typer.Option(help="The model's name in the API (default: --model).")
     ] = None,
+    max_body: Annotated[
+        str, typer.Option(help="Largest request body (e.g. 1MiB); a larger one gets 413 before it is parsed.")
+    ] = "1MiB",
+    max_prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Most tokens a prompt may have, counted while tokenizing (default: the model's context)."
+        ),
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option(help="critical, error, warning, info (one access line a request) or debug.")
+    ] = "info",
 ) -> None:
     """Serve the model with an OpenAI-compatible API: many conversations under one KV memory cap,
     each compressed with its own method (docs/serving.md)."""
@@ -54,14 +66,20 @@ def serve(
     from kvbudget.models import load_model
     from kvbudget.serve.app import create_app, prometheus_metrics
     from kvbudget.serve.batcher import Compression
+    from kvbudget.serve.logs import LEVELS, log, log_config
     from kvbudget.serve.scheduler import Scheduler
     from kvbudget.units import format_bytes, parse_size
 
     cap = parse_size(memory_cap)
+    body_limit = parse_size(max_body)
     from kvbudget.engine import check_size
 
     check_size(budget, ratio, "--")
     check.at_least(max_queue, 1, "--max-queue")
+    check.at_least(body_limit, 1, "--max-body")
+    check.at_least(max_prompt_tokens, 1, "--max-prompt-tokens")
+    if log_level not in LEVELS:
+        raise InputError(f"--log-level must be one of {', '.join(LEVELS)}, got {log_level!r}")
     if not 0 < port < 65536:
         raise InputError(f"--port must be in 1..65535, got {port}")
     dtype = check.dtype(dtype)
@@ -72,6 +90,10 @@ def serve(
     registry, metrics = prometheus_metrics()
     scheduler = Scheduler(lm, tokenizer, cap, default, max_queue=max_queue, metrics=metrics)
     name = served_name or model
-    print(f"kvbudget: serving {name} on http://{host}:{port}/v1 — default {default.label()}, "
-          f"KV cap {format_bytes(cap)}", file=sys.stderr)  # fmt: skip
-    uvicorn.run(create_app(scheduler, name, registry, api_key), host=host, port=port, log_level="warning")
+    logging.config.dictConfig(log_config(log_level))  # the line below in the server's format too
+    log.info("serving %s on http://%s:%s/v1 — default %s, KV cap %s", name, host, port, default.label(),
+             format_bytes(cap))  # fmt: skip
+    app = create_app(
+        scheduler, name, registry, api_key, max_body=body_limit, max_prompt_tokens=max_prompt_tokens
+    )
+    uvicorn.run(app, host=host, port=port, log_config=log_config(log_level), access_log=False)

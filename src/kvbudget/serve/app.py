@@ -27,7 +27,7 @@ from typing import Any
 
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.extras import needs_extra
-from kvbudget.serve.logs import access_line, access_log, log
+from kvbudget.serve.logs import access_line, access_log, log, quote
 from kvbudget.serve.openai_api import (
     APIError,
     Request,
@@ -38,7 +38,6 @@ from kvbudget.serve.openai_api import (
     usage_chunk,
 )
 from kvbudget.serve.scheduler import Job, Metrics, QueueFull, Scheduler, TooLarge
-from kvbudget.serve.schema import quote
 
 #: bytes a request body may have by default (``--max-body``): some 30 times the text of the default
 #: model's whole context, with room for JSON's escapes and a conversation's history

@@ -18,12 +18,20 @@ from typing import Any
 
 from kvbudget.units import format_bytes
 
+#: characters of a client's value an error message or a log line quotes at most
+QUOTE_CHARS = 40
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 LEVELS = ("critical", "error", "warning", "info", "debug")
 
 log = logging.getLogger("kvbudget.serve")
 access_log = logging.getLogger("kvbudget.serve.access")
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters (with ``…``): what an error message may echo."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def log_config(level: str = "info") -> dict[str, Any]:

@@ -18,21 +18,18 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from kvbudget.errors import KVBudgetError
+from kvbudget.extras import needs_extra
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.batcher import Compression
-from kvbudget.serve.schema import (
-    ChatRequest,
-    CompletionRequest,
-    KVBudgetOptions,
-    quote,
-    validation_message,
-)
+from kvbudget.serve.logs import quote
+
+if TYPE_CHECKING:
+    from kvbudget.serve.schema import ChatRequest, CompletionRequest, KVBudgetOptions
 
 #: tokens of an answer when the request gives no limit
 DEFAULT_MAX_TOKENS = 256
@@ -97,6 +94,10 @@ def parse_request(
     """Validate the raw body of ``endpoint`` (``"chat"`` or ``"completions"``) against the schema
     (:mod:`kvbudget.serve.schema`) and tokenize its prompt, refusing one of more than
     ``max_prompt_tokens`` tokens as soon as the count passes it (:func:`refuse_over_limit`)."""
+    with needs_extra("serve", "the server's request schema"):
+        from pydantic import ValidationError
+
+        from kvbudget.serve.schema import ChatRequest, CompletionRequest, validation_message
     schema = ChatRequest if endpoint == "chat" else CompletionRequest
     try:
         body = schema.model_validate_json(raw or b"null")
@@ -107,7 +108,7 @@ def parse_request(
         message = f"the model {quote(body.model)} does not exist: this server serves '{model_name}'"
         raise APIError(404, message, "model", "model_not_found")
     compression = resolve_compression(body.kvbudget, default)
-    if isinstance(body, ChatRequest):
+    if endpoint == "chat":
         ids = _chat_ids(body, tokenizer, max_prompt_tokens)
         max_tokens = body.answer_limit()
     else:

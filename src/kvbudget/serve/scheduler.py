@@ -25,6 +25,9 @@ whole token prefix.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import threading
 import time
 from collections import OrderedDict, deque
@@ -57,6 +60,26 @@ from kvbudget.serve.logs import log
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that may begin a stop string (not streamed until known)."""
     return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+def release_freed_memory() -> bool:
+    """Ask the C allocator to return freed memory to the system (glibc's ``malloc_trim``): a server
+    that has just dropped caches would otherwise keep their pages resident, fragmented among its
+    threads' arenas, until they are reused. Where there is no ``malloc_trim`` (macOS, musl), nothing;
+    returns whether it ran."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
 
 
 class QueueFull(KVBudgetError):
@@ -214,6 +237,21 @@ class Scheduler:
         active = sum(j.seq.cache.physical_bytes() for j in self._active if j.seq.cache is not None)
         return active + sum(turn.cache.physical_bytes() for turn, _, _ in self._turns.values())
 
+    def drop_kept_turns(self) -> int:
+        """Forget every finished turn kept for follow-ups (their caches are freed once unreferenced);
+        returns how many there were."""
+        with self._lock:
+            count = len(self._turns)
+            self._turns.clear()
+        gc.collect()
+        release_freed_memory()
+        return count
+
+    def kept_turn_bytes(self) -> int:
+        """KV bytes of the finished turns kept for follow-ups (their caches' physical bytes)."""
+        with self._lock:
+            return sum(turn.cache.physical_bytes() for turn, _, _ in self._turns.values())
+
     def _reserved(self) -> int:
         return sum(j.reserved for j in self._active) + sum(size for _, _, size in self._turns.values())
 
@@ -234,7 +272,13 @@ class Scheduler:
             self._thread = None
 
     def _loop(self) -> None:
+        busy = False
         while True:
+            with self._lock:
+                idle = not self._queue and not self._active
+            if idle and busy:  # the last sequence just ended: hand what it freed back to the system
+                release_freed_memory()
+            busy = not idle
             with self._lock:
                 while self._running and not self._queue and not self._active:
                     self._lock.wait()

@@ -6,9 +6,11 @@ it passes. OpenAI parameters the server does not implement (``logprobs``, ``tool
 ``response_format``, penalties, …) are accepted only at the value that asks for nothing (``null``,
 ``false``, ``0``, an empty list or object, ``{"type": "text"}``) and otherwise refused by name, as an
 OpenAI-compatible server refuses what it does not do. Unknown fields and roles are refused too.
+pydantic comes with ``kvbudget[serve]``: the rest of kvbudget imports this module only inside
+``needs_extra("serve", ...)``.
 
 :func:`validation_message` turns the first problem into one line (field path, what is wrong, at most
-:data:`QUOTE_CHARS` characters of the offending value), the ``message`` of a 400.
+:data:`~kvbudget.serve.logs.QUOTE_CHARS` characters of the offending value), the ``message`` of a 400.
 
 Limits: :data:`MAX_MESSAGES` messages, :data:`MAX_STOPS` stop strings of at most
 :data:`MAX_STOP_CHARS` characters, names of at most :data:`MAX_NAME_CHARS`; a seed is a 64-bit
@@ -23,8 +25,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-#: characters of an offending value an error message quotes at most
-QUOTE_CHARS = 40
+from kvbudget.serve.logs import quote
+
 MAX_MESSAGES = 4096
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -37,12 +39,6 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)]
-
-
-def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
-    """``repr(value)`` cut to ``limit`` characters (with ``…``): what an error message may echo."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _unsupported(name: str) -> PydanticCustomError:

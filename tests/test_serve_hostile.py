@@ -473,3 +473,22 @@ def test_metrics_count_requests_refusals_and_reused_tokens(server) -> None:
     assert grew("kvbudget_rejected_requests_total", reason="invalid_request") == 1
     assert grew("kvbudget_rejected_requests_total", reason="request_too_large") == 1
     assert grew("kvbudget_reused_prompt_tokens_total") == reused["kvbudget"]["reused_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--log-level", "loud"], "--log-level must be one of critical, error, warning, info, debug"),
+        (["--max-body", "0"], "--max-body must be positive"),
+        (["--max-body", "lots"], "--max-body expects a size such as 2GiB"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be ≥ 1"),
+    ],
+)
+def test_serve_refuses_bad_limits_in_one_line_before_loading_the_model(args, words) -> None:
+    from typer.testing import CliRunner
+
+    from kvbudget.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent/model", *args])
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert "Traceback" not in result.output and "/nonexistent/model" not in result.output

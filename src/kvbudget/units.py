@@ -21,8 +21,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
-    """``"2GiB"`` → ``2147483648``; ``"500MB"`` → ``500000000``; a bare number is bytes.
+def parse_size(text: str, option: str = "--memory-cap") -> int:
+    """``"2GiB"`` → ``2147483648``; ``"500MB"`` → ``500000000``; a bare number is bytes. ``option``
+    names the size in the error.
 
     Raises :class:`KVBudgetError` for anything else, or a size that is not positive.
     """
@@ -30,9 +31,9 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise KVBudgetError(
-            f"--memory-cap expects a size such as 2GiB, 512MiB or 1500000000 (bytes), got {text!r}"
+            f"{option} expects a size such as 2GiB, 512MiB or 1500000000 (bytes), got {text!r}"
         )
     size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise KVBudgetError(f"--memory-cap must be positive, got {text!r}")
+        raise KVBudgetError(f"{option} must be positive, got {text!r}")
     return size

@@ -5,10 +5,11 @@ A server runs in this process (the real HTTP app on a free port) under a small K
 random lengths with random methods and sizes (some refused as too small for their method: a 400 is
 an answer too), streamed requests, streams the client drops after a chunk or two, follow-ups that
 continue a conversation (its kept turn reused), and bad requests (from :data:`BAD_BODIES`). After a
-warm-up (one request per method at the longest prompt) the process's resident memory is read; when
-the clients stop and the server has drained, it is read again. Both readings are taken with the kept
-turns dropped (:meth:`~kvbudget.serve.scheduler.Scheduler.drop_kept_turns`): what the cap lets the
-server keep is not a leak; what stays once they are gone would be.
+warm-up (the same traffic for a third of ``seconds``: the C allocator's arenas and torch's kernels
+grow to a plateau over the shapes they see, with or without the server) the process's resident
+memory is read; when the clients stop and the server has drained, it is read again. Both readings
+are taken with the kept turns dropped (:meth:`~kvbudget.serve.scheduler.Scheduler.drop_kept_turns`):
+what the cap lets the server keep is not a leak; what stays once they are gone would be.
 
 Checked, and written to ``soak.json`` / ``soak.md``: no request got a 5xx or was lost (every good
 request answered whole, or refused with a 4xx or 429), no sequence left active or queued, the KV
@@ -75,13 +76,18 @@ class SoakConfig:
     max_tokens: int = 24
     clients: int = 6
     seconds: float = 120.0
+    #: the warm-up's traffic before the first memory reading (default: a third of ``seconds``)
+    warmup_seconds: float | None = None
     cap_bytes: int = 64 << 20
     max_body: int = 256 << 10
     seed: int = 0
 
     def check(self) -> None:
-        if not 0 < self.seconds <= MAX_SECONDS:
-            raise InputError(f"a soak runs for (0, {MAX_SECONDS:.0f}] seconds, got {self.seconds}")
+        total = self.seconds + (self.warmup_seconds if self.warmup_seconds is not None else self.seconds / 3)
+        if not 0 < self.seconds or total > MAX_SECONDS:
+            raise InputError(
+                f"a soak and its warm-up run for (0, {MAX_SECONDS:.0f}] seconds, got {total:.0f}"
+            )
         if self.clients < 1 or not self.methods:
             raise InputError("a soak needs at least one client and one method")
         if not 1 <= self.min_words <= self.max_words:
@@ -218,28 +224,16 @@ def run_soak(
     scheduler = Scheduler(model, tokenizer, config.cap_bytes, Compression(config.methods[0], 128))
     app = create_app(scheduler, "soak", max_body=config.max_body)
     with serving(app) as base:
-        warm = SoakClient(base, "soak", config, config.seed - 1)
-        for method in config.methods:  # every method's code paths and the longest prompt, once
-            size = {} if method == "full" else {"budget": max(config.budgets)}
-            text = " ".join(WORDS[i % len(WORDS)] for i in range(config.max_words))
-            body = {"model": "soak", "messages": [{"role": "user", "content": text}],
-                    "max_tokens": config.max_tokens, "kvbudget": {"method": method, **size}}  # fmt: skip
-            conn, response = warm.post(json.dumps(body).encode())
-            response.read()
-            conn.close()
+        clients = [SoakClient(base, "soak", config, config.seed + i) for i in range(config.clients)]
+        warmup = config.warmup_seconds if config.warmup_seconds is not None else config.seconds / 3
+        _traffic(clients, warmup)  # the same traffic: the allocator and torch's kernels see its shapes
         _settle(scheduler)
         scheduler.drop_kept_turns()  # memory is compared without kept turns, which the cap bounds
         gc.collect()
         rss_warm = resident_bytes()
-        progress(f"soak: warmed up, resident {format_bytes(rss_warm or 0)}; {config.clients} clients for "
-                 f"{config.seconds:.0f} s")  # fmt: skip
-        clients = [SoakClient(base, "soak", config, config.seed + i) for i in range(config.clients)]
-        end = time.monotonic() + config.seconds
-        threads = [threading.Thread(target=_client_loop, args=(c, end)) for c in clients]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(config.seconds + 600)
+        progress(f"soak: warmed up for {warmup:.0f} s, resident {format_bytes(rss_warm or 0)}; "
+                 f"{config.clients} clients for {config.seconds:.0f} s")  # fmt: skip
+        _traffic(clients, config.seconds)
         _settle(scheduler)
         stats = scheduler.stats()
         kept = scheduler.kept_turn_bytes()
@@ -276,6 +270,16 @@ def run_soak(
         and (rss_warm is None or rss_end is None or rss_end <= rss_warm * (1 + RSS_TOLERANCE))
     )  # fmt: skip
     return result
+
+
+def _traffic(clients: list[SoakClient], seconds: float) -> None:
+    """Every client sends requests until ``seconds`` have passed (then finishes the one it is on)."""
+    end = time.monotonic() + seconds
+    threads = [threading.Thread(target=_client_loop, args=(c, end)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 600)
 
 
 def _client_loop(client: SoakClient, end: float) -> None:

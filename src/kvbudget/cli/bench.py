@@ -192,8 +192,9 @@ def bench_serve(
     soak: Annotated[
         float | None,
         typer.Option(
-            help="Instead of the benchmark, a soak of SECONDS (at most 600): --clients send random chats, "
-            "streams they drop, follow-ups and bad requests with --methods under --memory-cap (default "
+            help="Instead of the benchmark, a soak of SECONDS after a warm-up of a third of it (600 s in "
+            "all at most): --clients send random chats, streams they drop, follow-ups and bad requests "
+            "with --methods under --memory-cap (default "
             "64MiB); checks no 5xx, nothing lost, KV back to the kept turns, memory back to the warm-up's."
         ),
     ] = None,

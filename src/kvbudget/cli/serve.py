@@ -71,7 +71,7 @@ def serve(
     from kvbudget.units import format_bytes, parse_size
 
     cap = parse_size(memory_cap)
-    body_limit = parse_size(max_body)
+    body_limit = parse_size(max_body, "--max-body")
     from kvbudget.engine import check_size
 
     check_size(budget, ratio, "--")

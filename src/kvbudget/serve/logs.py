@@ -67,7 +67,7 @@ def access_line(method: str, path: str, status: int, record: dict[str, Any]) -> 
     if record.get("ttft_s") is not None:
         parts.append(f"ttft={record['ttft_s']:.3f}s")
     if "kv_bytes" in record:
-        parts.append(f"kv={format_bytes(record['kv_bytes'])}")
+        parts.append(f"kv={format_bytes(record['kv_bytes']).replace(' ', '')}")
     if "error" in record:
         parts.append(f"error={record['error']}")
     parts.append(f"id={record.get('id', '-')}")

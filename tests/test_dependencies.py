@@ -44,12 +44,6 @@ HARNESS_MODULES = {
     "kvbudget.demo": "runs the needle table and the demo suite of the evaluation harness",
 }
 
-#: Modules of an extra outside the extras' subpackages: as the harness, the core imports them only
-#: inside ``needs_extra``, and their own imports may use the extras' packages.
-EXTRA_MODULES = {
-    "kvbudget.serve.schema": "the server's request schema, pydantic models (kvbudget[serve])",
-}
-
 #: Harness imports no extra declares, each with why.
 UNDECLARED_HARNESS_IMPORTS = {
     "kvpress": "imported only by peer/kvpress_runner.py, which runs inside .venv-peer (make peer)",
@@ -86,7 +80,7 @@ def _module_name(path: Path) -> str:
 
 
 def is_harness(module: str) -> bool:
-    return module in HARNESS_MODULES or module in EXTRA_MODULES or module.split(".")[:2] in (
+    return module in HARNESS_MODULES or module.split(".")[:2] in (
         ["kvbudget", "eval"],
         ["kvbudget", "bench"],
         ["kvbudget", "peer"],
@@ -255,7 +249,6 @@ def test_the_harness_imports_only_declared_packages() -> None:
                 undeclared.setdefault(package, []).append(f"{module}:{line}")
     assert not undeclared, f"the harness imports packages no extra declares: {undeclared}"
     assert set(HARNESS_MODULES) <= set(source_modules()), "HARNESS_MODULES names a module that does not exist"
-    assert set(EXTRA_MODULES) <= set(source_modules()), "EXTRA_MODULES names a module that does not exist"
 
 
 def test_the_core_imports_and_eval_stops_with_one_line_without_the_extras() -> None:

@@ -25,7 +25,7 @@ from kvbudget.errors import MissingExtraError
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "eval": ("the evaluation extra", ("matplotlib", "numpy", "rapidfuzz", "rdata", "rouge_score", "tqdm")),
     "ray": ("the Ray extra", ("ray",)),
-    "serve": ("the serving extra", ("prometheus_client", "pydantic", "starlette", "uvicorn")),
+    "serve": ("the serving extra", ("prometheus_client", "starlette", "uvicorn")),
 }
 
 

@@ -216,18 +216,25 @@ def create_app(
                 stream(request, parsed, response_name, job, events), media_type="text/event-stream"
             )
         text = []
+        getter: asyncio.Future | None = None
         while True:
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+            # arrives as the event does, and the request would then wait for an answer never sent
+            getter = getter or asyncio.ensure_future(events.get())
             try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
+                await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            except asyncio.CancelledError:  # the server cancels it (Ray Serve does when the client leaves)
+                getter.cancel()
+                job.cancel()
+                raise
+            if not getter.done():
                 if await request.is_disconnected():
+                    getter.cancel()
                     job.cancel()
                     record(request)["error"] = "client_disconnected"
                     return Response(status_code=499)
                 continue
-            except asyncio.CancelledError:  # the server cancels it (Ray Serve does when the client leaves)
-                job.cancel()
-                raise
+            event, getter = getter.result(), None
             if "error" in event:
                 return error(failed(request, event))
             if "text" in event:

@@ -18,18 +18,16 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from kvbudget.errors import KVBudgetError
-from kvbudget.extras import needs_extra
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.batcher import Compression
 from kvbudget.serve.logs import quote
-
-if TYPE_CHECKING:
-    from kvbudget.serve.schema import ChatRequest, CompletionRequest, KVBudgetOptions
+from kvbudget.serve.schema import ChatRequest, CompletionRequest, KVBudgetOptions, validation_message
 
 #: tokens of an answer when the request gives no limit
 DEFAULT_MAX_TOKENS = 256
@@ -94,10 +92,6 @@ def parse_request(
     """Validate the raw body of ``endpoint`` (``"chat"`` or ``"completions"``) against the schema
     (:mod:`kvbudget.serve.schema`) and tokenize its prompt, refusing one of more than
     ``max_prompt_tokens`` tokens as soon as the count passes it (:func:`refuse_over_limit`)."""
-    with needs_extra("serve", "the server's request schema"):
-        from pydantic import ValidationError
-
-        from kvbudget.serve.schema import ChatRequest, CompletionRequest, validation_message
     schema = ChatRequest if endpoint == "chat" else CompletionRequest
     try:
         body = schema.model_validate_json(raw or b"null")

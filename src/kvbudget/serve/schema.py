@@ -6,8 +6,6 @@ it passes. OpenAI parameters the server does not implement (``logprobs``, ``tool
 ``response_format``, penalties, …) are accepted only at the value that asks for nothing (``null``,
 ``false``, ``0``, an empty list or object, ``{"type": "text"}``) and otherwise refused by name, as an
 OpenAI-compatible server refuses what it does not do. Unknown fields and roles are refused too.
-pydantic comes with ``kvbudget[serve]``: the rest of kvbudget imports this module only inside
-``needs_extra("serve", ...)``.
 
 :func:`validation_message` turns the first problem into one line (field path, what is wrong, at most
 :data:`~kvbudget.serve.logs.QUOTE_CHARS` characters of the offending value), the ``message`` of a 400.

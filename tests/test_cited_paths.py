@@ -169,7 +169,7 @@ def test_every_cited_path_exists() -> None:
     [
         ("see docs/architecture.md, lab/results/gpu/", ["docs/architecture.md", "lab/results/gpu/"]),
         ("(`methods/lava.py`, prefill/pruned.py).", ["methods/lava.py", "prefill/pruned.py"]),
-        ("as DESIGN.md §10 says", ["DESIGN.md"]),
+        ("as NOTES.md §10 says", ["NOTES.md"]),
         ("`methods/prune_base.PruneMethod`, kvbudget.cli.app", []),
         ("https://github.com/o/r/blob/main/docs/x.md", []),
         ("lab/results/<name>/ and runs/{run}.json and src/*.py", []),

@@ -76,7 +76,6 @@ def serve(
 
     check_size(budget, ratio, "--")
     check.at_least(max_queue, 1, "--max-queue")
-    check.at_least(body_limit, 1, "--max-body")
     check.at_least(max_prompt_tokens, 1, "--max-prompt-tokens")
     if log_level not in LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LEVELS)}, got {log_level!r}")

@@ -138,7 +138,9 @@ def resolve_compression(options: KVBudgetOptions | None, default: Compression) -
     return Compression(method, budget, ratio)
 
 
-def refuse_over_limit(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int, what: str) -> None:
+def refuse_over_limit(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int, what: str, param: str
+) -> None:
     """Refuse ``texts`` once they hold clearly more than ``limit`` tokens, tokenizing at most a piece
     of :data:`TOKENIZE_PIECE_CHARS` characters past that point: the work before a refusal is bounded
     by ``limit``, not by the body. Pieces split words, so the count is approximate; the exact check
@@ -152,7 +154,7 @@ def refuse_over_limit(tokenizer: PreTrainedTokenizerBase, texts: list[str], limi
             if count > bound:
                 raise APIError(
                     400, f"{what} has more than {limit} tokens, the server's limit (--max-prompt-tokens)",
-                    "messages" if what == "the conversation" else "prompt", "context_length_exceeded",
+                    param, "context_length_exceeded",
                 )  # fmt: skip
 
 
@@ -168,7 +170,7 @@ def check_prompt_tokens(ids: list[int], limit: int, what: str, param: str) -> li
 def _chat_ids(body: ChatRequest, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[int]:
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
-    refuse_over_limit(tokenizer, [m.text() for m in body.messages], limit, "the conversation")
+    refuse_over_limit(tokenizer, [m.text() for m in body.messages], limit, "the conversation", "messages")
     rendered = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
     ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -178,7 +180,7 @@ def _chat_ids(body: ChatRequest, tokenizer: PreTrainedTokenizerBase, limit: int)
 def _completion_ids(body: CompletionRequest, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[int]:
     prompt = body.prompt_value()
     if isinstance(prompt, str):
-        refuse_over_limit(tokenizer, [prompt], limit, "the prompt")
+        refuse_over_limit(tokenizer, [prompt], limit, "the prompt", "prompt")
         return check_prompt_tokens(list(tokenizer(prompt)["input_ids"]), limit, "the prompt", "prompt")
     vocab = len(tokenizer)
     bad = next((t for t in prompt if t >= vocab), None)

@@ -488,6 +488,24 @@ class BudgetLayer(DynamicLayer):
             self.state = {name: s[:, :, :-count] for name, s in self.state.items()}
         self.seen -= count
 
+    def rewind(self, length: int) -> None:
+        """Forget every token from logical position ``length`` on: entries at positions ``≥ length``
+        leave (wherever a method kept them), and ``seen`` becomes ``length``.
+
+        What a later request on the same prefix starts from: e.g. a context compressed while its
+        first question was in view, without that question. Entries are stored in position order,
+        so each head keeps a leading run. ``length`` must be in ``[0, seen]``.
+        """
+        if not 0 <= length <= self.seen:
+            raise KVBudgetError(f"cannot rewind to {length} tokens: the layer has seen {self.seen}")
+        if not self.is_initialized or length == self.seen:
+            return
+        heads = self.positions if self.is_ragged else list(self.positions.unbind(1))
+        b = self.batch_size
+        self.keep([[(heads[h][r] >= 0).logical_and(heads[h][r] < length).nonzero().squeeze(-1)
+                    for h in range(len(heads))] for r in range(b)])  # fmt: skip
+        self.seen = length
+
     def _map_heads(self, fn: Any) -> None:
         """Apply ``fn`` to every per-head tensor of the per-head layout."""
         self.head_keys = [fn(t) for t in self.head_keys]
@@ -714,6 +732,14 @@ class BudgetCache(Cache):
         """Forget the last ``count`` tokens in every layer (see :meth:`BudgetLayer.drop_last`)."""
         for i, layer in enumerate(self.layers):
             layer.drop_last(count)
+            self.note_memory(i)
+
+    def rewind(self, length: int) -> None:
+        """Forget every token from logical position ``length`` on, in every layer
+        (:meth:`BudgetLayer.rewind`): the cache a later request on the first ``length`` tokens
+        starts from."""
+        for i, layer in enumerate(self.layers):
+            layer.rewind(length)
             self.note_memory(i)
 
     def physical_bytes(self) -> int:

@@ -25,6 +25,7 @@ prefill is done.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -155,6 +156,17 @@ class CompressionSession:
         self.lookahead_memo: dict | None = None
         self.attention_inputs: dict[int, torch.Tensor] = {}
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompressionSession:
+        """A copy of the run's state that shares the model it is bound to: copying a cache (a
+        context compressed once, then one copy per question) must not copy the model's weights."""
+        if self._bound_to is not None:
+            memo.setdefault(id(self._bound_to), self._bound_to)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = copy.deepcopy(value, memo)
+        return copied
+
     # ------------------------------------------------------------------ phases
     @property
     def phase(self) -> Phase:
@@ -242,6 +254,11 @@ class CompressionSession:
         than evicting the question back to the budget at its first step."""
         run = self.run
         run.appended = [run.appended_to(r) + int(n) for r, n in enumerate(counts)]
+
+    def forget_appended(self) -> None:
+        """Forget what was appended after the compression (the cache was rewound to the compressed
+        part, :meth:`BudgetCache.rewind`): the next request's own tokens are noted afresh."""
+        self.run.appended = []
 
     def decode_budgets(self) -> list[int]:
         """Per row, the entries per head a decode-stage method holds: the budget plus what was

@@ -341,7 +341,7 @@ class RayEval:
         driver, done = self.driver, self.driver.store.keys
         units = []
         for task, length, index, sample in driver.samples():
-            pending = [run for run in driver.runs() if driver.key(task, sample, *run) not in done]
+            pending = driver.pending_runs(task, sample, done)
             if pending:
                 units.append(Unit(task.name, length, index, sample, pending))
         return units
@@ -359,8 +359,9 @@ class RayEval:
 
         task = get_task(unit.task)
         return [
-            self.driver._error_row(task, unit.length, unit.index, unit.sample, run, None, err)
+            row
             for run in unit.pending
+            for row in self.driver.error_rows(task, unit.length, unit.index, unit.sample, run, None, err)
         ]
 
     # ------------------------------------------------------------------ run

@@ -45,6 +45,9 @@ class DraftDecoded:
         logprobs: ``[T, vocab]`` log-probabilities at the draft's ``T`` positions under teacher forcing.
         accepted: leading answer tokens taken from the draft (the method agreed with them).
         steps: one-token decode steps run after the draft; ``seconds``: their total time.
+        cache: the cache the answer ended in — the prompt and every answer token but the last (a
+            decode-stage method continues in a copy taken at the divergence; a conversation goes on
+            from this one).
     """
 
     token_ids: list[int]
@@ -52,6 +55,7 @@ class DraftDecoded:
     accepted: int
     steps: int
     seconds: float
+    cache: BudgetCache | None = None
 
 
 def _extend(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -128,7 +132,7 @@ def decode_with_draft(
     if divergence == len(draft):
         # The method agreed with every draft token; the draft ended with EOS or at the limit.
         if draft[-1] in eos or len(draft) >= max_new_tokens:
-            return DraftDecoded(list(draft), logprobs, len(draft), 0, 0.0)
+            return DraftDecoded(list(draft), logprobs, len(draft), 0, 0.0, cache)
         divergence, resume = len(draft) - 1, cache  # (unreachable for a greedy draft) go on decoding
     # `tokens` is the answer so far; the cache holds every token but the last, which is argmax(`row`).
     tokens = list(draft[:divergence]) + [int(stacked[divergence].argmax())]
@@ -140,12 +144,12 @@ def decode_with_draft(
     done = tokens[-1] in eos or len(tokens) >= max_new_tokens
     start = len(tokens) - 1
     if done:
-        return DraftDecoded(tokens, logprobs, divergence, 0, 0.0)
+        return DraftDecoded(tokens, logprobs, divergence, 0, 0.0, resume)
     decoded = decode_loop(
         model, resume, row[None], _extend(mask, start), last_pos + start, eos, max_new_tokens - start
     )
     answer = tokens[:-1] + decoded.generated[0]
-    return DraftDecoded(answer, logprobs, divergence, decoded.steps, decoded.seconds)
+    return DraftDecoded(answer, logprobs, divergence, decoded.steps, decoded.seconds, resume)
 
 
 def _follow_candidates(

@@ -50,9 +50,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvbudget import engine, models
 from kvbudget.engine import RunTimes, build_prompt, decode_loop, prefill_inputs, selection_layer
 from kvbudget.errors import BudgetError, KVBudgetError
+from kvbudget.eval.conversation import MODES, Conversation, TurnOutcome, check_shareable
 from kvbudget.eval.draft import decode_with_draft
 from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agreement
-from kvbudget.eval.sample import Sample
+from kvbudget.eval.sample import FollowUp, Sample
 from kvbudget.eval.store import ResultStore, config_key
 from kvbudget.eval.tasks import get_task
 from kvbudget.eval.tasks.base import TaskSpec
@@ -65,6 +66,9 @@ from kvbudget.phases import Stage
 from kvbudget.prefill.common import Snapshot, eos_ids
 from kvbudget.prefill.derived import derive, take_snapshot
 from kvbudget.session import CompressionSession
+
+#: the task family whose samples are one context and several questions (:mod:`kvbudget.eval.conversation`)
+SHARED_CONTEXT = "shared-context"
 
 
 def ratio_budget(compression_ratio: float, compressed_tokens: int) -> int:
@@ -108,6 +112,21 @@ class EvalConfig:
     shared: bool = True
     dtype: str = "float32"
     max_new_tokens: int | None = None  # caps every task's own generation length when set
+
+
+@dataclass
+class Conversed:
+    """One run of a shared-context sample: its turns by mode, and what the compression cost.
+
+    ``context_bytes``: the cache's physical bytes right after the first prompt's compression;
+    ``budgets``: entries kept per layer and KV head then."""
+
+    turns: dict[str, list[TurnOutcome]]
+    prefill_s: float
+    compress_s: float
+    context_bytes: int
+    budgets: list[list[int]]
+    prompt_tokens: int
 
 
 @dataclass
@@ -204,9 +223,16 @@ class Runner:
                     yield task, length, index, sample
 
     def key(
-        self, task: TaskSpec, sample: Sample, spec: MethodSpec, budget: int | None, ratio: float | None = None
+        self,
+        task: TaskSpec,
+        sample: Sample,
+        spec: MethodSpec,
+        budget: int | None,
+        ratio: float | None = None,
+        conversation: str | None = None,
     ) -> str:
-        """The row's config hash; a ratio row's holds the ratio (budget rows' keys are as before ratios)."""
+        """The row's config hash; a ratio row's holds the ratio (budget rows' keys are as before ratios);
+        a shared-context row's holds its follow-up questions and its mode (``conversation``)."""
         fields = {
             "model": self.config.model, "task": task.name, "context": config_key({"c": sample.context}),
             "question": sample.question, "prefix": sample.answer_prefix, "max_new": sample.max_new_tokens,
@@ -217,23 +243,45 @@ class Runner:
             fields["compression_ratio"] = ratio
         if task.family == "perplexity":  # rows scored on another span are other rows
             fields["context_share"] = CONTEXT_SHARE
+        if conversation is not None:
+            fields["follow_ups"] = [
+                (t.question, t.answer_prefix, t.max_new_tokens) for t in sample.follow_ups
+            ]
+            fields["conversation"] = conversation
         return config_key(fields)
+
+    def row_keys(self, task: TaskSpec, sample: Sample, run: tuple) -> list[str]:
+        """The keys of the rows one (method, budget, ratio) run of a sample writes: one, or one per
+        conversation mode for a shared-context task."""
+        if task.family == SHARED_CONTEXT:
+            return [self.key(task, sample, *run, conversation=mode) for mode in MODES]
+        return [self.key(task, sample, *run)]
+
+    def pending_runs(
+        self, task: TaskSpec, sample: Sample, done: set[str]
+    ) -> list[tuple[MethodSpec, int | None, float | None]]:
+        """The runs of a sample with a row not in ``done``."""
+        return [run for run in self.runs() if any(k not in done for k in self.row_keys(task, sample, run))]
 
     def run(self) -> Path:
         """Run every missing row; returns the results path."""
         grid = list(self.samples())
         done = self.store.keys
-        todo = sum(1 for t, _, _, s in grid for run in self.runs() if self.key(t, s, *run) not in done)
+        todo = sum(len(self.pending_runs(t, s, done)) for t, _, _, s in grid)
         bar = tqdm(total=todo, disable=not self.progress, desc="eval", unit="run", dynamic_ncols=True)
         for task, length, index, sample in grid:
-            pending = [run for run in self.runs() if self.key(task, sample, *run) not in done]
+            pending = self.pending_runs(task, sample, done)
             if not pending:
                 continue
             bar.set_description(f"{task.name} {length} #{index}")
+            last_keys = {self.row_keys(task, sample, run)[-1] for run in pending}
 
-            def write(row: dict) -> None:
+            def write(row: dict, last_keys: set[str] = last_keys) -> None:
+                if row["key"] in done:  # a shared-context run whose other mode's row was written before
+                    return
                 self.store.append(row)
-                bar.update(1)
+                if row["key"] in last_keys:
+                    bar.update(1)
 
             with self.sample_guard():
                 self.run_sample(task, length, index, sample, pending, write)
@@ -263,14 +311,18 @@ class Runner:
             self._run_sample(task, length, index, sample, pending, once)
         except Exception as err:
             for run in pending:
-                if self.key(task, sample, *run) not in emitted:
-                    once(self._error_row(task, length, index, sample, run, None, err))
+                for row in self.error_rows(task, length, index, sample, run, None, err):
+                    if row["key"] not in emitted:
+                        once(row)
 
     def _run_sample(
         self, task: TaskSpec, length: int, index: int, sample: Sample, pending: list, emit: Callable
     ) -> None:
         if task.family == "perplexity":
             self._run_perplexity(task, length, index, sample, pending, emit)
+            return
+        if task.family == SHARED_CONTEXT:
+            self._run_shared_context(task, length, index, sample, pending, emit)
             return
         prompt = build_prompt(self.tokenizer, sample.context, sample.question, sample.answer_prefix)
         inputs = prefill_inputs([prompt], self.pad_id, self.config.compress_context_only)
@@ -362,6 +414,106 @@ class Runner:
             selection_layer=selection_layer(cache.session, 0),
         )
 
+    def _run_shared_context(
+        self, task: TaskSpec, length: int, index: int, sample: Sample, pending: list, emit: Callable
+    ) -> None:
+        """Shared-context rows (:mod:`kvbudget.eval.conversation`): the first prompt prefilled once
+        (shared) and compressed per run, every turn answered in both modes; one row per run and mode,
+        scored per turn. The full cache's answers are each run's drafts."""
+        turns = sample.turns()
+        prompts = [build_prompt(self.tokenizer, sample.context, t.question, t.answer_prefix) for t in turns]
+        inputs = prefill_inputs([prompts[0]], self.pad_id, self.config.compress_context_only)
+        methods = [run[0].build() for run in pending]
+        inputs_read = any(method.wants_attention_inputs for method in methods)
+        snapshot = (
+            take_snapshot(self.model, inputs, attention_inputs=inputs_read) if self.config.shared else None
+        )
+        reference = self._converse(snapshot, prompts, turns, make_method("full"), None, None)
+        drafts = {mode: [t.token_ids for t in outcome] for mode, outcome in reference.turns.items()}
+        for run, method in zip(pending, methods, strict=True):
+            spec, budget, ratio = run
+            entries = budget if ratio is None else ratio_budget(ratio, inputs.compressed_until)
+            if spec.name == "full":
+                outcome = reference
+            else:
+                try:
+                    check_shareable(method.stages, method.name)
+                    outcome = self._converse(snapshot, prompts, turns, method, entries, drafts)
+                except Exception as err:
+                    for row in self.error_rows(task, length, index, sample, run, entries, err):
+                        emit(row)
+                    continue
+            for mode in MODES:
+                emit(
+                    self._conversation_row(
+                        task, length, index, sample, run, entries, mode, outcome, reference
+                    )
+                )
+
+    def _converse(
+        self,
+        snapshot: Snapshot | None,
+        prompts: list[Any],
+        turns: list[FollowUp],
+        method: Method,
+        budget: int | None,
+        drafts: dict[str, list[list[int]]] | None,
+    ) -> Conversed:
+        """Compress the first prompt with ``method`` and answer every turn in both modes."""
+        budget = budget if budget is not None else len(prompts[0].ids)
+        start = time.perf_counter()
+        if snapshot is not None:
+            cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
+            prefill_wall = snapshot.seconds + cache.session.compress_seconds
+        else:
+            session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
+            cache, logits, mask, last_pos = engine.prefill(
+                self.model, [prompts[0]], session, self.pad_id, self.config.compress_context_only, self.eos
+            )
+            prefill_wall = time.perf_counter() - start
+        compress_s, context_bytes = cache.session.compress_seconds, cache.physical_bytes()
+        budgets = cache.session.kept[0].tolist()
+        talk = Conversation(self.model, self.tokenizer, self.eos, Stage.DECODE in method.stages)
+        outcomes = talk.run(cache, logits, mask, last_pos, prompts, turns, drafts)
+        return Conversed(outcomes, prefill_wall, compress_s, context_bytes, budgets, len(prompts[0].ids))
+
+    def _conversation_row(
+        self, task, length, index, sample, run, entries, mode: str, outcome: Conversed, reference: Conversed
+    ) -> dict:
+        """One shared-context row: a run's turns in one mode, each scored; ``score`` is their mean."""
+        row = self._base_row(task, length, index, sample, run, entries, mode)
+        turns = []
+        for number, (turn, mine, full) in enumerate(
+            zip(sample.turns(), outcome.turns[mode], reference.turns[mode], strict=True), 1
+        ):
+            turns.append({
+                "turn": number, "question": turn.question, "answers": turn.answers,
+                "meta": {k: v for k, v in turn.meta.items() if isinstance(v, (int, float, str))},
+                "prediction": mine.text, "score": task.metric(mine.text, turn.answers),
+                "full_prediction": full.text, "full_score": task.metric(full.text, turn.answers),
+                "agreement": token_agreement(full.token_ids, mine.token_ids),
+                "ttft_s": mine.ttft_s, "decode_s": mine.decode_s, "kv_bytes": mine.kv_bytes,
+                "entries": mine.entries, "draft_accepted": mine.draft_accepted,
+            })  # fmt: skip
+        first = outcome.turns[mode][0]
+        row.update(
+            prediction=first.text,
+            score=sum(t["score"] for t in turns) / len(turns),
+            full_score=sum(t["full_score"] for t in turns) / len(turns),
+            agreement=sum(t["agreement"] for t in turns) / len(turns),
+            turns=turns,
+            prompt_tokens=outcome.prompt_tokens,
+            ttft_s=first.ttft_s + outcome.prefill_s,
+            prefill_s=outcome.prefill_s,
+            compress_s=outcome.compress_s,
+            physical_bytes=outcome.context_bytes,
+            held_bytes=max(t.kv_bytes for t in outcome.turns[mode]),
+            budgets=outcome.budgets,
+            error=None,
+            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        )  # fmt: skip
+        return row
+
     def _run_perplexity(self, task: TaskSpec, length: int, index: int, sample: Sample, pending, emit) -> None:
         """Perplexity rows: score = perplexity of the passage with the cache held at the budget, every
         run (the full cache's too) scored on the same tokens, from :func:`scored_from` on."""
@@ -393,13 +545,23 @@ class Runner:
 
     # ------------------------------------------------------------------ rows
     def _base_row(
-        self, task: TaskSpec, length: int, index: int, sample: Sample, run: tuple, entries: int | None
+        self,
+        task: TaskSpec,
+        length: int,
+        index: int,
+        sample: Sample,
+        run: tuple,
+        entries: int | None,
+        conversation: str | None = None,
     ) -> dict:
         """The row's fields before its outcome; ``run`` is (method, budget, ratio), ``entries`` the
-        budget it ran at (a ratio's, once resolved on the sample; ``None`` if never resolved)."""
+        budget it ran at (a ratio's, once resolved on the sample; ``None`` if never resolved);
+        ``conversation``: a shared-context row's mode."""
         spec, budget, ratio = run
+        extra = {} if conversation is None else {"conversation": conversation}
         return {
-            "key": self.key(task, sample, spec, budget, ratio),
+            "key": self.key(task, sample, spec, budget, ratio, conversation),
+            **extra,
             "model": self.config.model,
             "dtype": self.config.dtype,
             "task": task.name,
@@ -446,8 +608,19 @@ class Runner:
         )
         return row
 
-    def _error_row(self, task, length, index, sample, run, entries, err: Exception) -> dict:
-        row = self._base_row(task, length, index, sample, run, entries)
+    def error_rows(self, task, length, index, sample, run, entries, err: BaseException) -> list[dict]:
+        """The error rows of a run that failed: one per row it would have written."""
+        if task.family != SHARED_CONTEXT:
+            return [self._error_row(task, length, index, sample, run, entries, err)]
+        return [
+            self._error_row(task, length, index, sample, run, entries, err, conversation=mode)
+            for mode in MODES
+        ]
+
+    def _error_row(
+        self, task, length, index, sample, run, entries, err: BaseException, conversation=None
+    ) -> dict:
+        row = self._base_row(task, length, index, sample, run, entries, conversation)
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         row.update(prediction=None, score=None, error=detail, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
         return row

@@ -7,7 +7,7 @@ import importlib
 from kvbudget.errors import KVBudgetError
 from kvbudget.eval.tasks.base import TaskSpec
 
-_MODULES = ("needle", "perplexity", "ruler", "infinitebench", "code", "gsm8k")
+_MODULES = ("needle", "perplexity", "ruler", "infinitebench", "code", "gsm8k", "shared_context")
 
 
 def all_tasks() -> dict[str, TaskSpec]:

@@ -201,6 +201,7 @@ def test_runner_writes_a_row_per_run_and_mode_scored_per_turn_and_resumes(tmp_pa
         assert row["score"] == pytest.approx(sum(scores) / 3)
         assert [t["turn"] for t in row["turns"]] == [1, 2, 3]
         assert all(t["score"] == string_match_all(t["prediction"], t["answers"]) for t in row["turns"])
+    assert all(r["logical_bytes"] >= r["physical_bytes"] > 0 for r in good)
     full = [r for r in good if r["method"] == "full"]
     assert all(
         t["agreement"] == 1.0 and t["prediction"] == t["full_prediction"] for r in full for t in r["turns"]

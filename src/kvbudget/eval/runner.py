@@ -118,13 +118,13 @@ class EvalConfig:
 class Conversed:
     """One run of a shared-context sample: its turns by mode, and what the compression cost.
 
-    ``context_bytes``: the cache's physical bytes right after the first prompt's compression;
+    ``stats``: the cache's (:meth:`BudgetCache.stats`) right after the first prompt's compression;
     ``budgets``: entries kept per layer and KV head then."""
 
     turns: dict[str, list[TurnOutcome]]
     prefill_s: float
     compress_s: float
-    context_bytes: int
+    stats: dict[str, Any]
     budgets: list[list[int]]
     prompt_tokens: int
 
@@ -471,11 +471,11 @@ class Runner:
                 self.model, [prompts[0]], session, self.pad_id, self.config.compress_context_only, self.eos
             )
             prefill_wall = time.perf_counter() - start
-        compress_s, context_bytes = cache.session.compress_seconds, cache.physical_bytes()
+        compress_s, stats = cache.session.compress_seconds, cache.stats(0).as_dict()
         budgets = cache.session.kept[0].tolist()
         talk = Conversation(self.model, self.tokenizer, self.eos, Stage.DECODE in method.stages)
         outcomes = talk.run(cache, logits, mask, last_pos, prompts, turns, drafts)
-        return Conversed(outcomes, prefill_wall, compress_s, context_bytes, budgets, len(prompts[0].ids))
+        return Conversed(outcomes, prefill_wall, compress_s, stats, budgets, len(prompts[0].ids))
 
     def _conversation_row(
         self, task, length, index, sample, run, entries, mode: str, outcome: Conversed, reference: Conversed
@@ -506,7 +506,8 @@ class Runner:
             ttft_s=first.ttft_s + outcome.prefill_s,
             prefill_s=outcome.prefill_s,
             compress_s=outcome.compress_s,
-            physical_bytes=outcome.context_bytes,
+            logical_bytes=outcome.stats["logical_bytes"],
+            physical_bytes=outcome.stats["physical_bytes"],
             held_bytes=max(t.kv_bytes for t in outcome.turns[mode]),
             budgets=outcome.budgets,
             error=None,

@@ -223,3 +223,40 @@ def test_runner_rows_match_the_conversation_run_directly(tmp_path, monkeypatch):
             predictions = [t["prediction"] for t in row["turns"]]
             assert predictions == [t.text for t in direct[row["conversation"]]], row["conversation"]
             assert row["mode"] == "agnostic"
+
+
+def _row(method: str, sample: int, mode: str, scores: list[float], task: str = "t", ratio=0.5) -> dict:
+    return {
+        "key": f"{method}{sample}{mode}{task}", "task": task, "length": 0, "sample": sample, "method": method,
+        "label": method, "conversation": mode, "compression_ratio": None if method == "full" else ratio,
+        "budget": None if method == "full" else 8, "error": None, "compress_s": 1.0, "physical_bytes": 2048,
+        "turns": [{"score": s} for s in scores],
+    }  # fmt: skip
+
+
+def test_later_turns_against_the_full_cache_by_hand():
+    from kvbudget.eval.turns_report import later_minus_full, later_turns, turns_table
+
+    rows = [
+        _row("full", 0, "multi-turn", [1, 1, 1, 1]), _row("full", 1, "multi-turn", [1, 1, 0, 1]),
+        _row("m", 0, "multi-turn", [1, 0, 0, 1]), _row("m", 1, "multi-turn", [1, 1, 0, 0]),
+    ]  # fmt: skip
+    assert later_turns(rows[2]) == pytest.approx(1 / 3)
+    # per sample: (1/3 − 1) and (1/3 − 2/3); one task: their mean
+    difference = later_minus_full(rows, "m", ("r", 0.5), "multi-turn", resamples=200)
+    assert difference.mean == pytest.approx(((1 / 3 - 1) + (1 / 3 - 2 / 3)) / 2) and difference.n == 2
+    assert difference.low <= difference.mean <= difference.high
+    assert later_minus_full(rows, "m", ("r", 0.5), "multi-request") is None
+    table = turns_table(rows, resamples=200)
+    line = next(line for line in table if "| m |" in line)
+    assert "| 100.0 | 33.3 | -50.0 [" in line and line.endswith("| 1.0 | 2 | 2 |")
+
+
+def test_the_report_reads_each_mode_as_a_task_and_shows_turns(tmp_path, monkeypatch):
+    from kvbudget.eval.report import write_report
+
+    _rows(tmp_path, monkeypatch, ["full", "snapkv:window=4,kernel=3"])
+    text = write_report(tmp_path, resamples=50).read_text()
+    assert "## tiny_shared (multi-turn)" in text and "## tiny_shared (multi-request)" in text
+    assert "## Turn 1 and later turns (shared-context tasks)" in text
+    assert (tmp_path / "turns.png").stat().st_size > 0

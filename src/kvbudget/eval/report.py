@@ -55,6 +55,7 @@ from kvbudget.eval.intervals import (
 )
 from kvbudget.eval.paired import PairedDifference, paired_difference
 from kvbudget.eval.store import load_rows, no_results_message
+from kvbudget.eval.turns_report import is_conversation, plot_turns, turns_table
 from kvbudget.models import describe_weights
 from kvbudget.phases import Stage
 
@@ -661,6 +662,9 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
     rows = load_rows(out / "results.jsonl")
     if not rows:
         raise KVBudgetError(no_results_message(out))
+    conversations = [r for r in rows if is_conversation(r)]
+    # a shared-context run writes a row per mode: the generic tables read each mode as a task of its own
+    rows = [{**r, "task": f"{r['task']} ({r['conversation']})"} if r.get("conversation") else r for r in rows]
     ok = [r for r in rows if r.get("error") is None]
     errors = [r for r in rows if r.get("error") is not None]
     models = sorted({r["model"] for r in rows})
@@ -727,6 +731,21 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
             png = out / f"score_vs_{name}_{task}.png"
             if plot_score_vs_budget(task_rows, task, png, kind, resamples):
                 lines += [f"![score vs {name}, {task}]({png.name})", ""]
+    if conversations:
+        lines += [
+            "## Turn 1 and later turns (shared-context tasks)",
+            "",
+            "One context, several questions: turn 1 is answered from the cache compressed for it; in "
+            "`multi-turn` each later question follows the earlier answers in one conversation, in "
+            "`multi-request` each is a new request on the same compressed context. Later turns = the "
+            "mean of turns 2, 3, …; later − full = the paired difference from the full cache on them "
+            "(scores ×100, means over tasks). Compress s and KV KiB: the first prompt's compression.",
+            "",
+            *turns_table(conversations, resamples),
+            "",
+        ]
+        if plot_turns(conversations, out / "turns.png"):
+            lines += ["![mean score by turn](turns.png)", ""]
     if plot_needle_heatmaps([r for r in ok if r["family"] == "needle"], out / "needle_heatmaps.png"):
         lines += ["## Needle heatmaps", "", "![needle heatmaps](needle_heatmaps.png)", ""]
     if plot_budget_maps(ok, out / "budget_maps.png"):

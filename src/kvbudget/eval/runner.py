@@ -56,7 +56,7 @@ from kvbudget.eval.fidelity import mean_kl, teacher_forced_logprobs, token_agree
 from kvbudget.eval.sample import FollowUp, Sample
 from kvbudget.eval.store import ResultStore, config_key
 from kvbudget.eval.tasks import get_task
-from kvbudget.eval.tasks.base import TaskSpec
+from kvbudget.eval.tasks.base import SHARED_CONTEXT, TaskSpec
 from kvbudget.eval.tasks.perplexity import CONTEXT_SHARE, chunked_perplexity, scored_from
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import make_method, method_names
@@ -66,9 +66,6 @@ from kvbudget.phases import Stage
 from kvbudget.prefill.common import Snapshot, eos_ids
 from kvbudget.prefill.derived import derive, take_snapshot
 from kvbudget.session import CompressionSession
-
-#: the task family whose samples are one context and several questions (:mod:`kvbudget.eval.conversation`)
-SHARED_CONTEXT = "shared-context"
 
 
 def ratio_budget(compression_ratio: float, compressed_tokens: int) -> int:

@@ -14,6 +14,10 @@ from transformers import PreTrainedTokenizerBase
 
 from kvbudget.eval.sample import Sample
 
+#: the family of tasks whose samples are one context and several questions (``Sample.follow_ups``),
+#: run as conversations (:mod:`kvbudget.eval.conversation`)
+SHARED_CONTEXT = "shared-context"
+
 #: ``make_samples(tokenizer, length, num_samples, seed) -> list[Sample]``
 SampleMaker = Callable[[PreTrainedTokenizerBase, int, int, int], list[Sample]]
 #: ``metric(prediction, answers) -> score in [0, 1]``
@@ -26,7 +30,8 @@ class TaskSpec:
 
     Attributes:
         name: registry name (``niah_single_1``, ``passkey``, ``lcc``, ...).
-        family: ``needle``, ``ruler``, ``infinitebench``, ``code``, ``gsm8k``, ``perplexity``, ``longbench``.
+        family: ``needle``, ``ruler``, ``infinitebench``, ``code``, ``gsm8k``, ``perplexity``,
+            ``longbench``, ``shared-context`` (:data:`SHARED_CONTEXT`).
         make_samples: the seeded generator.
         metric: scores one prediction against the sample's answers.
         metric_name: e.g. ``string_match_all``.

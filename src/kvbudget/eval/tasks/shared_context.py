@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from kvbudget.eval.metrics import string_match_all
 from kvbudget.eval.tasks import sc_aggregate, sc_code, sc_keys, sc_vt
-from kvbudget.eval.tasks.base import SampleMaker, TaskSpec
+from kvbudget.eval.tasks.base import SHARED_CONTEXT, SampleMaker, TaskSpec
 
-FAMILY = "shared-context"
 _ESSAY_DATA = ("long-context-eval", "wonderwords")
 
 
 def _spec(name: str, make_samples: SampleMaker, data: tuple[str, ...]) -> TaskSpec:
-    return TaskSpec(name, FAMILY, make_samples, string_match_all, "string_match_all", data)
+    return TaskSpec(name, SHARED_CONTEXT, make_samples, string_match_all, "string_match_all", data)
 
 
 TASKS: dict[str, TaskSpec] = {

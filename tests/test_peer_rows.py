@@ -543,3 +543,52 @@ def test_a_press_that_raises_is_an_error_row_and_the_grid_goes_on(tiny_dir, tmp_
         assert rows[("kvpress:bad", sample)]["score"] is None
         assert rows[("kvpress:knorm", sample)]["error"] is None
     assert peer_rows.run_peer_rows(config, tmp_path, ["bad", "knorm"], PEER, progress=False) == 0
+
+
+# ---------------------------------------------------------------------------------------- shared context
+SHARED_CONTEXT_TEXT = "The cat sat on the mat. " * 6 + "Key alpha is 417. " + "Rain fell in the hills. " * 6
+
+
+def _shared_samples(tokenizer, length, num_samples, seed):
+    from kvbudget.eval.sample import FollowUp, Sample
+
+    follow = [FollowUp("Where did the cat sit?", ["mat"], "A:", 6), FollowUp("What fell?", ["rain"], "A:", 6)]
+    return [
+        Sample(SHARED_CONTEXT_TEXT, "What is key alpha?" + " " * i, ["417"], "A:", 6, {}, follow_ups=follow)
+        for i in range(num_samples)
+    ]
+
+
+@needs_peer
+def test_kvpress_answers_a_shared_context_as_separate_requests_like_ours(tiny_dir, tmp_path, monkeypatch):
+    from kvbudget.eval import peer_rows
+    from kvbudget.eval import runner as runner_module
+    from kvbudget.eval.metrics import string_match_all
+    from kvbudget.eval.runner import EvalConfig, Runner
+    from kvbudget.eval.tasks.base import TaskSpec
+
+    task = TaskSpec("tiny_shared", "shared-context", _shared_samples, string_match_all, "string_match_all")
+    monkeypatch.setattr(runner_module, "get_task", lambda name: task)
+    config = EvalConfig(
+        model=str(tiny_dir), tasks=["tiny_shared"], lengths=[0], methods=["full", SNAP_AS_KVPRESS],
+        budgets=[], compression_ratios=[0.5], limit=2, compress_context_only=True,
+    )  # fmt: skip
+    Runner(config, tmp_path, progress=False).run()
+    added = peer_rows.run_peer_rows(config, tmp_path, ["snapkv", "no_press"], PEER, progress=False)
+    assert added == 2 * 2
+    rows = load_rows(tmp_path / "results.jsonl")
+    peer = [r for r in rows if r["label"].startswith("kvpress:")]
+    assert all(r["error"] is None and r["conversation"] == "multi-request" for r in peer)
+    ours = {(r["label"], r["sample"]): r for r in rows if r.get("conversation") == "multi-request"}
+    for r in peer:
+        assert [t["turn"] for t in r["turns"]] == [1, 2, 3]
+        assert r["score"] == pytest.approx(sum(t["score"] for t in r["turns"]) / 3)
+        counterpart = "full" if r["label"] == "kvpress:no_press" else SNAP_AS_KVPRESS
+        mine = ours[(counterpart, r["sample"])]
+        assert [t["prediction"] for t in r["turns"]] == [t["prediction"] for t in mine["turns"]], r["label"]
+        assert [t["full_prediction"] for t in r["turns"]] == [
+            t["prediction"] for t in ours[("full", r["sample"])]["turns"]
+        ]
+    # question-aware: kvpress's pipeline does not share a context it compressed with a question
+    aware = EvalConfig(**{**config.__dict__, "compress_context_only": False})
+    assert peer_rows.run_peer_rows(aware, tmp_path / "aware", ["snapkv"], PEER, progress=False) == 0

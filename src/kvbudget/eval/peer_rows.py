@@ -26,7 +26,11 @@ kvpress runs in its own environment (``make peer`` → ``.venv-peer``; kvpress 0
 transformers < 5.3) through :mod:`kvbudget.peer.kvpress_runner`, one serving process answering
 one (sample, press, ratio) at a time; a run that raises becomes an error row (as the runner's),
 a runner process that dies is restarted for the next run. Perplexity tasks are left out (kvpress
-compresses a prompt once; it has no chunked-perplexity mode).
+compresses a prompt once; it has no chunked-perplexity mode). Shared-context tasks run as kvpress's
+pipeline runs several questions about one context — the context compressed once, question-
+agnostically, and each question answered alone after it — so a kvpress row of such a task is a
+``multi-request`` conversation row (:mod:`kvbudget.eval.conversation`), in the question-agnostic
+track only.
 
 A kvpress row has no ``agreement`` / ``kl`` (they need the full cache's log-probabilities in the
 same process) and no per-head ``budgets``; ``full_score`` / ``full_prediction`` are those of the
@@ -48,9 +52,14 @@ from typing import Any
 
 from kvbudget.cache import model_entry_bytes
 from kvbudget.errors import KVBudgetError
+from kvbudget.eval.conversation import MODES
 from kvbudget.eval.report import PEER_PREFIX as PREFIX  # every kvpress row's method and label start so
+from kvbudget.eval.tasks.base import SHARED_CONTEXT
 
 DEFAULT_PEER_PYTHON = Path(".venv-peer/bin/python")
+
+#: the conversation mode kvpress's pipeline runs: several questions, each alone after one compressed context
+MULTI_REQUEST = MODES[1]
 
 #: kvpress's presses under the names of kvpress's own evaluation registry
 #: (``evaluation/evaluate_registry.py``, ``PRESS_REGISTRY``, kvpress 0.5.5's source distribution) and
@@ -295,10 +304,21 @@ class PressSpec:
 
 
 def eval_tasks_only(runner) -> Iterator[tuple[Any, int, int, Any]]:
-    """The runner's (task, length, index, sample) grid without perplexity tasks."""
+    """The runner's (task, length, index, sample) grid without perplexity tasks, and without
+    shared-context tasks where the run is question-aware (kvpress's pipeline answers several
+    questions about one context with the context compressed alone)."""
     for task, length, index, sample in runner.samples():
-        if task.family != "perplexity":
-            yield task, length, index, sample
+        if task.family == "perplexity":
+            continue
+        if task.family == SHARED_CONTEXT and not runner.config.compress_context_only:
+            continue
+        yield task, length, index, sample
+
+
+def peer_key(runner, task, sample, spec, ratio: float | None) -> str:
+    """A kvpress row's key: a shared-context task's row is its multi-request conversation."""
+    mode = MULTI_REQUEST if task.family == SHARED_CONTEXT else None
+    return runner.key(task, sample, spec, None, ratio, conversation=mode)
 
 
 def export_sample(runner, task, length: int, index: int, sample) -> dict[str, Any]:
@@ -307,11 +327,44 @@ def export_sample(runner, task, length: int, index: int, sample) -> dict[str, An
     from kvbudget.engine import build_prompt
 
     prompt = build_prompt(runner.tokenizer, sample.context, sample.question, sample.answer_prefix)
-    return {
+    exported = {
         "id": f"{task.name}/{length}/{index}", "task": task.name, "length": length,
         "context_ids": prompt.context_ids, "question_ids": prompt.question_ids,
         "max_new_tokens": sample.max_new_tokens, "eos_ids": sorted(runner.eos),
     }  # fmt: skip
+    if sample.follow_ups:
+        follow_ups = []
+        for turn in sample.follow_ups:
+            later = build_prompt(runner.tokenizer, sample.context, turn.question, turn.answer_prefix)
+            if later.context_ids != prompt.context_ids:
+                raise KVBudgetError(
+                    "the context tokenises differently before different questions: cannot share it"
+                )
+            follow_ups.append({"question_ids": later.question_ids, "max_new_tokens": turn.max_new_tokens})
+        exported["follow_ups"] = follow_ups
+    return exported
+
+
+def _turns_of(runner, task, sample, result: dict, reference: dict) -> list[dict[str, Any]]:
+    """A kvpress multi-request row's turns, scored as the runner scores its own (the full cache's
+    answers from kvbudget's ``full`` row of the same sample and mode, when it has one)."""
+    eos, decode = runner.eos, runner.tokenizer.decode
+    answers = [result, *result["follow_ups"]]
+    full_turns = reference.get("turns") or []
+    turns = []
+    for number, (turn, answer) in enumerate(zip(sample.turns(), answers, strict=True), 1):
+        ids = answer["token_ids"]
+        text = decode(ids[:-1] if ids and ids[-1] in eos else ids, skip_special_tokens=True)
+        full = full_turns[number - 1] if len(full_turns) >= number else {}
+        turns.append({
+            "turn": number, "question": turn.question, "answers": turn.answers,
+            "meta": {k: v for k, v in turn.meta.items() if isinstance(v, (int, float, str))},
+            "prediction": text, "score": task.metric(text, turn.answers),
+            "full_prediction": full.get("prediction"), "full_score": full.get("score"), "agreement": None,
+            "ttft_s": answer["prefill_s"], "decode_s": sum(answer["step_s"]), "kv_bytes": None,
+            "entries": None, "draft_accepted": 0,
+        })  # fmt: skip
+    return turns
 
 
 def make_jobs(presses: list[str], ratios: list[float], question_aware: bool) -> list[dict[str, Any]]:
@@ -394,7 +447,7 @@ def run_peer_rows(
     for entry in eval_tasks_only(runner):
         task, _, _, sample = entry
         todo = [j for j, (spec, job) in enumerate(zip(specs, jobs, strict=True))
-                if runner.key(task, sample, spec, None, job["compression_ratio"]) not in done]  # fmt: skip
+                if peer_key(runner, task, sample, spec, job["compression_ratio"]) not in done]  # fmt: skip
         if todo:
             samples.append(export_sample(runner, *entry))
             pending += [(len(samples) - 1, j, entry) for j in todo]
@@ -415,7 +468,8 @@ def run_peer_rows(
             result = server.run(s, j)
             n = result.get("compressed_tokens")
             entries = None if ratio is None or n is None else ratio_budget(ratio, n)
-            row = runner._base_row(task, length, index, sample, (spec, None, ratio), entries)
+            mode = MULTI_REQUEST if task.family == SHARED_CONTEXT else None
+            row = runner._base_row(task, length, index, sample, (spec, None, ratio), entries, mode)
             row.update(
                 shared_prefill=False, peer={"library": "kvpress", "versions": versions, **PRESSES[spec.press]}
             )
@@ -426,7 +480,7 @@ def run_peer_rows(
                 text = runner.tokenizer.decode(
                     ids[:-1] if ids and ids[-1] in eos else ids, skip_special_tokens=True
                 )
-                reference = by_key.get(runner.key(task, sample, full, None, None), {})
+                reference = by_key.get(peer_key(runner, task, sample, full, None), {})
                 exported = samples[s]
                 question = 0 if jobs[j]["question_aware"] else len(exported["question_ids"])
                 appended = layers * heads * question  # the question's entries, appended after compression
@@ -444,6 +498,12 @@ def run_peer_rows(
                     physical_bytes=(result["allocated_entries"] + appended) * entry_bytes,
                     budgets=None, selection_layer=None, error=None,
                 )  # fmt: skip
+                if mode is not None:
+                    turns = _turns_of(runner, task, sample, result, reference)
+                    row.update(
+                        turns=turns, score=sum(t["score"] for t in turns) / len(turns),
+                        full_score=reference.get("score"), held_bytes=None,
+                    )  # fmt: skip
             row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             runner.store.append(row)
             bar.update(1)

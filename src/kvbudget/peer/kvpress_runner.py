@@ -54,6 +54,13 @@ writes, per layer and KV head, the positions the press kept (found by matching t
 against the full cache's, or from AdaKV's masked indices) — the oracle test compares them with
 kvbudget's selection.
 
+A sample with ``"follow_ups"`` (``[{"question_ids": [...], "max_new_tokens": n}, ...]``, a
+shared-context task's later questions; question-agnostic jobs only) is answered as kvpress's
+pipeline answers several questions about one context: the context is compressed once and each
+later question is fed after it alone (a copy of the context's cache), its answer greedy; the row's
+``"follow_ups"`` holds each one's ``token_ids``, ``prefill_s`` (the question's forward) and
+``step_s``.
+
 Usage: python -P kvpress_runner.py --model DIR --samples S.jsonl --jobs J.json
        (--out O.jsonl [--indices] | --serve) [--warmup] [--keep-going]
 """
@@ -62,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import sys
 import time
@@ -258,29 +266,35 @@ def run_one(model, sample: dict, job: dict) -> dict:
     context_s = time.perf_counter() - start  # the compressed context prefill
     compress_s[0] += context_s - (prefilled_context - start)  # the press's work on leaving its context
     kept, allocated = cache_entries(cache, model)  # not timed
-    resumed = time.perf_counter()
     next_position = cache.get_seq_length() if rerotates_keys(press) else ctx.shape[1]
+    follow_ups = sample.get("follow_ups") or []
+    if follow_ups and aware:
+        raise ValueError("later questions share the compressed context question-agnostically only")
+    context_cache = copy.deepcopy(cache) if follow_ups else None  # before the question (not timed)
+    resumed = time.perf_counter()
     if aware:
         positions = torch.tensor([[next_position - 1]])
     else:
         positions = torch.arange(next_position, next_position + question.shape[1])[None]
         out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
     prefilled = time.perf_counter()
-    token = out.logits[0, -1].argmax()
-    generated = [int(token)]
-    pos = positions[:, -1:]
-    step_s = []
-    for _ in range(sample["max_new_tokens"] - 1):
-        if generated[-1] in eos:
-            break
-        step_start = time.perf_counter()
-        pos = pos + 1
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=pos)
-        token = out.logits[0, -1].argmax()
-        generated.append(int(token))
-        step_s.append(time.perf_counter() - step_start)
+    generated, step_s = greedy(
+        model, cache, out.logits[0, -1], positions[:, -1:], eos, sample["max_new_tokens"]
+    )
     end = time.perf_counter()
     prefill_s = context_s + prefilled - resumed
+    turns = []
+    for follow in follow_ups:  # kvpress's pipeline with several questions: the context's cache, each alone
+        request = copy.deepcopy(context_cache)
+        ids = torch.tensor([follow["question_ids"]])
+        positions = torch.arange(next_position, next_position + ids.shape[1])[None]
+        turn_start = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=request, position_ids=positions, logits_to_keep=1)
+        first = time.perf_counter()
+        tokens, steps = greedy(
+            model, request, out.logits[0, -1], positions[:, -1:], eos, follow["max_new_tokens"]
+        )
+        turns.append({"token_ids": tokens, "prefill_s": first - turn_start, "step_s": steps})
     for layer in model.model.layers:  # AdaKV leaves its masks on the modules
         layer.self_attn.masked_key_indices = None
     return {
@@ -288,8 +302,29 @@ def run_one(model, sample: dict, job: dict) -> dict:
         "compression_ratio": job.get("compression_ratio"), "compressed_tokens": ctx.shape[1],
         "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
         "compress_s": compress_s[0], "step_s": step_s, "kept_entries": kept,
-        "allocated_entries": allocated,
+        "allocated_entries": allocated, **({"follow_ups": turns} if follow_ups else {}),
     }  # fmt: skip
+
+
+def greedy(
+    model, cache, logits, position, eos: set[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens from ``logits`` (the prompt's last, ``[vocab]``) until an EOS id or
+    ``max_new_tokens``, each fed at the next position after ``position`` (``[1, 1]``); the tokens
+    and each decode step's seconds."""
+    token = logits.argmax()
+    generated = [int(token)]
+    step_s = []
+    for _ in range(max_new_tokens - 1):
+        if generated[-1] in eos:
+            break
+        step_start = time.perf_counter()
+        position = position + 1
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=position)
+        token = out.logits[0, -1].argmax()
+        generated.append(int(token))
+        step_s.append(time.perf_counter() - step_start)
+    return generated, step_s
 
 
 @torch.inference_mode()

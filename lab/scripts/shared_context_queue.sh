@@ -15,6 +15,9 @@ TASKS=sc_keys,sc_code,sc_vt,sc_aggregate
 RATIOS=0.875,0.75,0.5
 AGNOSTIC=full,snapkv,chunkkv,expected-attention,kvzip,kvzip+,kvgrad
 AWARE=full,snapkv,chunkkv,laq
+# kvpress's best question-agnostic presses on the leaderboard's core tasks (docs/leaderboard.md);
+# its pipeline answers several questions about one context as separate requests only
+PRESSES=expected_attention,chunkkv
 step() {
   echo "=== $(date -u +%FT%TZ) $1"
   shift
@@ -23,6 +26,8 @@ step() {
 for limit in 5 20; do
   step "agnostic, $limit a task" $RUN lab/results/shared-context-agnostic --agnostic \
     --compression-ratios $RATIOS --tasks $TASKS --methods $AGNOSTIC --limit $limit
+  step "kvpress agnostic (multi-request), $limit a task" $RUN lab/results/shared-context-agnostic --agnostic \
+    --compression-ratios $RATIOS --tasks $TASKS --methods full --peer-presses $PRESSES --limit $limit
   step "aware, $limit a task" $RUN lab/results/shared-context \
     --compression-ratios $RATIOS --tasks $TASKS --methods $AWARE --limit $limit
 done

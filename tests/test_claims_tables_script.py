@@ -499,3 +499,37 @@ def test_tables_name_a_tuned_profile_instead_of_printing_its_path():
     expected = ["| baklava (tuned) − streamingllm | +0.4 |", "| baklava − streamingllm | −7.7 |"]
     assert out["verdicts"] == expected
     assert path not in "".join(out["verdicts"])
+
+
+def _conversation_rows(
+    label: str, ratio, later: list[float], first: float = 1.0, task: str = "t"
+) -> list[dict]:
+    return [
+        {"key": f"{label}{ratio}{i}{mode}", "task": task, "length": 2048, "sample": i, "label": label,
+         "method": label, "compression_ratio": ratio, "budget": None if ratio is None else 64, "error": None,
+         "conversation": mode, "compress_s": 2.0, "physical_bytes": 2**20,
+         "turns": [{"score": first}] + [{"score": s} for s in [later[i]] * 3]}
+        for i in range(len(later)) for mode in ("multi-turn", "multi-request")
+    ]  # fmt: skip
+
+
+def test_shared_context_rule_holds_loses_and_undecided_by_hand():
+    _load()
+    from claims.shared_context import shared_context_table, verdict
+
+    assert verdict(-0.05, 0.02) == "holds" and verdict(-0.3, -0.12) == "loses"
+    assert verdict(-0.12, 0.0) == "undecided"
+    rows = (
+        _conversation_rows("full", None, [1.0] * 20)
+        + _conversation_rows("same", 0.5, [1.0] * 20)  # no difference: holds
+        + _conversation_rows("lost", 0.5, [0.0] * 20, first=0.0)  # −100 on every sample: loses
+        + _conversation_rows("half", 0.5, [1.0, 0.0] * 10)  # −50 ± a wide interval: loses or undecided
+        + _conversation_rows("late", 0.5, [1.0] * 5)  # fewer samples than the rest: left out
+    )
+    table = shared_context_table(rows, "question-agnostic")
+    by_label = {line.split(" | ")[2]: line for line in table[2:] if line.startswith("| multi-turn")}
+    assert set(by_label) == {"full", "same", "lost", "half"}
+    assert "| +0.0 [+0.0, +0.0] | holds |" in by_label["same"]
+    assert "| 0.0 | 0.0 | -100.0 [-100.0, -100.0] | loses |" in by_label["lost"]
+    assert by_label["half"].split(" | ")[6] == "loses"  # [−75, −25]: every bound below −10
+    assert by_label["full"].endswith("| 1.0 | 1 × 20 |")

@@ -5,6 +5,7 @@
         [--asl-ttft lab/results/claims-asl-ttft] [--dtype-check DIR]
         [--agnostic lab/results/leaderboard-agnostic] [--ea-floor lab/results/ea-kvpress]
         [--d2o-longgen lab/results/claims-d2o-longgen]
+        [--shared-context lab/results/shared-context] [--shared-context-agnostic DIR]
 
 Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
 those blocks in the file.
@@ -52,6 +53,7 @@ from claims.leaderboard import (  # noqa: E402
 )
 from claims.pairs import SAME_METHOD_PAIRS, pairs_table  # noqa: E402
 from claims.screen import SCREEN_COUNTERPARTS, SCREEN_RATIO, same_answers, screen_rows, screen_table  # noqa: E402
+from claims.shared_context import shared_context_blocks  # noqa: E402
 from claims.verdicts import (  # noqa: E402
     CORE,
     FAMILIES,
@@ -69,8 +71,8 @@ __all__ = [
     "best_against_kvpress", "best_alone", "best_cell", "best_label", "best_pair", "blocks", "check_block",
     "complete_tasks", "difference_cell", "family_verdict", "has_results", "leaderboard_table",
     "machine_time", "main", "mean_over_tasks", "name_tuned_profiles", "paired_on_finished_tasks",
-    "pairs_table", "same_answers", "screen_rows", "screen_table", "tracks_table", "update",
-    "verdicts_table",
+    "pairs_table", "same_answers", "screen_rows", "screen_table", "shared_context_blocks", "tracks_table",
+    "update", "verdicts_table",
 ]  # fmt: skip
 
 
@@ -86,12 +88,17 @@ def main() -> None:
     parser.add_argument("--ea-floor", type=Path, default=Path("lab/results/ea-kvpress"))
     parser.add_argument("--d2o-longgen", type=Path, default=Path("lab/results/claims-d2o-longgen"))
     parser.add_argument("--check", type=Path, default=Path("lab/results/check-1.5b"))
+    parser.add_argument("--shared-context", type=Path, default=Path("lab/results/shared-context"))
+    parser.add_argument(
+        "--shared-context-agnostic", type=Path, default=Path("lab/results/shared-context-agnostic")
+    )
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard-analysis.md)",
     )  # fmt: skip
     args = parser.parse_args()
     tables = blocks(args)
+    tables.update(shared_context_blocks(args.shared_context_agnostic, args.shared_context))
     if args.update is not None:
         for path in args.update:
             print(f"{path}: " + ", ".join(update(path, tables)))

@@ -257,6 +257,7 @@ def test_the_report_reads_each_mode_as_a_task_and_shows_turns(tmp_path, monkeypa
 
     _rows(tmp_path, monkeypatch, ["full", "snapkv:window=4,kernel=3"])
     text = write_report(tmp_path, resamples=50).read_text()
-    assert "## tiny_shared (multi-turn)" in text and "## tiny_shared (multi-request)" in text
+    assert "## tiny_shared-multi-turn" in text and "## tiny_shared-multi-request" in text
+    assert (tmp_path / "score_vs_budget_tiny_shared-multi-turn.png").is_file()
     assert "## Turn 1 and later turns (shared-context tasks)" in text
     assert (tmp_path / "turns.png").stat().st_size > 0

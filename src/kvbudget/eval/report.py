@@ -664,7 +664,7 @@ def write_report(out: Path, resamples: int = DEFAULT_RESAMPLES) -> Path:
         raise KVBudgetError(no_results_message(out))
     conversations = [r for r in rows if is_conversation(r)]
     # a shared-context run writes a row per mode: the generic tables read each mode as a task of its own
-    rows = [{**r, "task": f"{r['task']} ({r['conversation']})"} if r.get("conversation") else r for r in rows]
+    rows = [{**r, "task": f"{r['task']}-{r['conversation']}"} if r.get("conversation") else r for r in rows]
     ok = [r for r in rows if r.get("error") is None]
     errors = [r for r in rows if r.get("error") is not None]
     models = sorted({r["model"] for r in rows})

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from kvbudget.eval.conversation import MODES
 from kvbudget.eval.paired import row_column
 from kvbudget.eval.store import load_rows
-from kvbudget.eval.turns_report import is_conversation, later_minus_full, later_turns
+from kvbudget.eval.turns_report import is_conversation, later_minus_full, later_turns, mean_over_tasks
 
 from .common import has_results
 
@@ -24,7 +25,6 @@ from .common import has_results
 MARGIN = 0.10
 #: the family's overall level; each of its m intervals is at 1 − LEVEL / m
 LEVEL = 0.05
-MODES = ("multi-turn", "multi-request")
 
 
 def verdict(low: float, high: float, margin: float = MARGIN) -> str:
@@ -44,16 +44,9 @@ def _samples(rows: list[dict]) -> dict[tuple[str, str, tuple | None], set[int]]:
     return found
 
 
-def _mean_over_tasks(rows: list[dict], value) -> float:
-    by_task: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        by_task[r["task"]].append(value(r))
-    return sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
-
-
 def _mib(rows: list[dict]) -> str:
     """The cache's physical MiB right after the first prompt's compression, mean over tasks."""
-    return f"{_mean_over_tasks(rows, lambda r: r['physical_bytes']) / 2**20:.1f}"
+    return f"{mean_over_tasks(rows, lambda r: r['physical_bytes']) / 2**20:.1f}"
 
 
 def shared_context_table(rows: list[dict], track: str) -> list[str]:
@@ -78,8 +71,8 @@ def shared_context_table(rows: list[dict], track: str) -> list[str]:
         full = [r for r in here if r["label"] == "full" and r["task"] in full_tasks]
         if full:
             lines.append(
-                f"| {mode} | – | full | {100 * _mean_over_tasks(full, lambda r: r['turns'][0]['score']):.1f} "
-                f"| {100 * _mean_over_tasks(full, later_turns):.1f} | – | – | – "
+                f"| {mode} | – | full | {100 * mean_over_tasks(full, lambda r: r['turns'][0]['score']):.1f} "
+                f"| {100 * mean_over_tasks(full, later_turns):.1f} | – | – | – "
                 f"| {_mib(full)} | {len(full_tasks)} × {n} |"
             )
         for column, label in groups:
@@ -98,9 +91,9 @@ def shared_context_table(rows: list[dict], track: str) -> list[str]:
                 judged = verdict(difference.low, difference.high)
             lines.append(
                 f"| {mode} | {column[1]:g} | {label} "
-                f"| {100 * _mean_over_tasks(group, lambda r: r['turns'][0]['score']):.1f} "
-                f"| {100 * _mean_over_tasks(group, later_turns):.1f} | {cell} | {judged} "
-                f"| {_mean_over_tasks(group, lambda r: r['compress_s']):.1f} "
+                f"| {100 * mean_over_tasks(group, lambda r: r['turns'][0]['score']):.1f} "
+                f"| {100 * mean_over_tasks(group, later_turns):.1f} | {cell} | {judged} "
+                f"| {mean_over_tasks(group, lambda r: r['compress_s']):.1f} "
                 f"| {_mib(group)} | {len(tasks)} × {n} |"
             )
     return lines

@@ -352,6 +352,32 @@ class Runner:
             )
             emit(row)
 
+    def _compressed(
+        self, snapshot: Snapshot | None, prompt: Any, method: Method, budget: int | None
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """``prompt``'s cache compressed by ``method`` to ``budget`` (default: the prompt's length),
+        derived from ``snapshot`` or prefilled on its own; the cache, last logits, mask and last
+        position (what decoding continues from: a two-pass method re-indexes its tokens) and the
+        prefill's wall seconds (a snapshot's prefill plus the method's compression)."""
+        budget = budget if budget is not None else len(prompt.ids)
+        start = time.perf_counter()
+        if snapshot is None:
+            session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
+            cache, logits, mask, last_pos = engine.prefill(
+                self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
+            )
+            return cache, logits, mask, last_pos, time.perf_counter() - start
+        cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
+        if Stage.PRUNE in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
+            return cache, logits, mask, last_pos, snapshot.seconds + time.perf_counter() - start
+        return (
+            cache,
+            logits,
+            mask,
+            last_pos,
+            snapshot.seconds + cache.session.compress_seconds,
+        )  # deriving is compressing
+
     def _run_one(
         self,
         snapshot: Snapshot | None,
@@ -363,20 +389,7 @@ class Runner:
         candidates: list[list[int]] = (),
     ) -> RunOutcome:
         """Generate with one method; with ``teacher``, also its log-probs on the teacher's answer."""
-        budget = budget if budget is not None else len(prompt.ids)
-        start = time.perf_counter()
-        if snapshot is not None:
-            cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
-            if Stage.PRUNE in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
-                prefill_wall = snapshot.seconds + time.perf_counter() - start
-            else:  # deriving is compressing
-                prefill_wall = snapshot.seconds + cache.session.compress_seconds
-        else:
-            session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
-            cache, logits, mask, last_pos = engine.prefill(
-                self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
-            )  # mask/last_pos: what decoding continues from (a two-pass method re-indexes its tokens)
-            prefill_wall = time.perf_counter() - start
+        cache, logits, mask, last_pos, prefill_wall = self._compressed(snapshot, prompt, method, budget)
         stats = cache.stats(0)
         budgets = cache.session.kept[0].tolist()
         step_by_step = Stage.DECODE in method.stages
@@ -457,17 +470,7 @@ class Runner:
         drafts: dict[str, list[list[int]]] | None,
     ) -> Conversed:
         """Compress the first prompt with ``method`` and answer every turn in both modes."""
-        budget = budget if budget is not None else len(prompts[0].ids)
-        start = time.perf_counter()
-        if snapshot is not None:
-            cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
-            prefill_wall = snapshot.seconds + cache.session.compress_seconds
-        else:
-            session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
-            cache, logits, mask, last_pos = engine.prefill(
-                self.model, [prompts[0]], session, self.pad_id, self.config.compress_context_only, self.eos
-            )
-            prefill_wall = time.perf_counter() - start
+        cache, logits, mask, last_pos, prefill_wall = self._compressed(snapshot, prompts[0], method, budget)
         compress_s, stats = cache.session.compress_seconds, cache.stats(0).as_dict()
         budgets = cache.session.kept[0].tolist()
         talk = Conversation(self.model, self.tokenizer, self.eos, Stage.DECODE in method.stages)

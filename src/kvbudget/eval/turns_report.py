@@ -66,7 +66,7 @@ def later_minus_full(
     return bootstrap_mean_over_groups([by_task[t] for t in sorted(by_task)], resamples, level)
 
 
-def _mean_over_tasks(rows: list[dict], value) -> float:
+def mean_over_tasks(rows: list[dict], value) -> float:
     """Each task's mean of ``value(row)``, then the mean over tasks (each task weighs the same)."""
     by_task: dict[str, list[float]] = defaultdict(list)
     for r in rows:
@@ -92,10 +92,10 @@ def turns_table(rows: list[dict], resamples: int = DEFAULT_RESAMPLES) -> list[st
         difference = None if label == "full" else later_minus_full(rows, label, column, mode, resamples)
         lines.append(
             f"| {mode} | {label} | {_column_text(column)} "
-            f"| {_pct(_mean_over_tasks(mine, lambda r: r['turns'][0]['score']))} "
-            f"| {_pct(_mean_over_tasks(mine, later_turns))} | {_interval_cell(difference)} "
-            f"| {_mean_over_tasks(mine, lambda r: r['compress_s']):.1f} "
-            f"| {_mean_over_tasks(mine, lambda r: r['physical_bytes']) / 1024:.0f} | {len(mine)} |"
+            f"| {_pct(mean_over_tasks(mine, lambda r: r['turns'][0]['score']))} "
+            f"| {_pct(mean_over_tasks(mine, later_turns))} | {_interval_cell(difference)} "
+            f"| {mean_over_tasks(mine, lambda r: r['compress_s']):.1f} "
+            f"| {mean_over_tasks(mine, lambda r: r['physical_bytes']) / 1024:.0f} | {len(mine)} |"
         )
     return lines
 
@@ -126,7 +126,7 @@ def plot_turns(rows: list[dict], path: Path) -> bool:
                 labelled = [r for r in mine if r["label"] == label]
                 turns = max(len(r["turns"]) for r in labelled)
                 means = [
-                    _mean_over_tasks(
+                    mean_over_tasks(
                         [r for r in labelled if len(r["turns"]) > k], lambda r, k=k: r["turns"][k]["score"]
                     )
                     for k in range(turns)

@@ -50,6 +50,7 @@ from kvbudget.eval.tasks.sc_common import (
     NUM_TURNS,
     distinct,
     interleave,
+    per_index,
     shared_sample,
     shuffled_order,
     strata_depths,
@@ -206,8 +207,4 @@ def code_sample(
     return shared_sample(fitted.text, turns, meta)
 
 
-def make_samples(
-    tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int = 0
-) -> list[Sample]:
-    """``num_samples`` ``sc_code`` samples (sample ``i`` does not depend on how many are asked)."""
-    return [code_sample(tokenizer, length, seed, index) for index in range(num_samples)]
+make_samples = per_index(code_sample)

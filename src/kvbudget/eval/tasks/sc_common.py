@@ -24,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from kvbudget.errors import InputError
 from kvbudget.eval.sample import FollowUp, Sample
+from kvbudget.eval.tasks.ruler_common import Fitted, count_tokens, fit_context
+from kvbudget.eval.tasks.ruler_niah import essay_words, split_sentences
 
 #: questions per sample (the first is ``Sample.question``, the rest ``Sample.follow_ups``)
 NUM_TURNS = 4
@@ -163,3 +165,41 @@ def shared_sample(context: str, turns: list[FollowUp], meta: dict[str, Any]) -> 
         meta={**meta, **first.meta},
         follow_ups=rest,
     )
+
+
+def essay_context(
+    tokenizer: PreTrainedTokenizerBase,
+    length: int,
+    rng: random.Random,
+    head: str,
+    needles: list[str],
+    task: str,
+) -> tuple[Fitted, list[int], list[float]]:
+    """An essay haystack of ``length`` tokens after ``head``, ``needles[i]`` in stratum ``i`` at a
+    depth drawn from ``rng``: the fitted context, each needle's character offset and token depth."""
+    start = count_tokens(tokenizer, head) / length
+    windows = strata_windows(len(needles), start, task)
+    targets = [d for (d,) in strata_depths(rng, len(needles), start=start, task=task)]
+    words = essay_words()
+    placed: dict[int, list[int]] = {}
+
+    def build(n: int, _: int) -> str:
+        text, offsets = interleave(
+            head, split_sentences(" ".join(words[:n]).strip()), needles, targets, " ", windows
+        )
+        placed[n] = offsets
+        return text
+
+    fitted = fit_context(tokenizer, build, length, 0, len(words), int(length / 1.35), task=task)
+    offsets = placed[fitted.units]
+    return fitted, offsets, token_depths(tokenizer, fitted.text, offsets)
+
+
+def per_index(one: Callable[[PreTrainedTokenizerBase, int, int, int], Sample]):
+    """A task's ``make_samples`` from its one-sample generator ``one(tokenizer, length, seed, index)``:
+    sample ``i`` does not depend on how many are asked."""
+
+    def make_samples(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int = 0):
+        return [one(tokenizer, length, seed, index) for index in range(num_samples)]
+
+    return make_samples

@@ -28,25 +28,21 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from kvbudget.eval.sample import FollowUp, Sample
-from kvbudget.eval.tasks.ruler_common import count_tokens, fit_context, rng_for
+from kvbudget.eval.tasks.ruler_common import rng_for
 from kvbudget.eval.tasks.ruler_niah import (
     CONFIGS,
     NEEDLE,
-    essay_words,
     key_words,
     prompt_parts,
     random_item,
-    split_sentences,
 )
 from kvbudget.eval.tasks.sc_common import (
     NUM_TURNS,
     distinct,
-    interleave,
+    essay_context,
+    per_index,
     shared_sample,
     shuffled_order,
-    strata_depths,
-    strata_windows,
-    token_depths,
 )
 
 TASK = "sc_keys"
@@ -68,24 +64,8 @@ def keys_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, inde
     keys = distinct(rng, lambda r: random_item(r, "words", vocab), NUM_TURNS)
     values = distinct(rng, lambda r: random_item(r, "numbers", vocab), NUM_TURNS)
     needles = [NEEDLE.format(kind="numbers", key=k, value=v) for k, v in zip(keys, values, strict=True)]
-    head = INSTRUCTION + "\n"
-    start = count_tokens(tokenizer, head) / length
-    windows = strata_windows(NUM_TURNS, start, TASK)
-    targets = [d for (d,) in strata_depths(rng, NUM_TURNS, start=start, task=TASK)]
+    fitted, offsets, depths = essay_context(tokenizer, length, rng, INSTRUCTION + "\n", needles, TASK)
     order = shuffled_order(rng, NUM_TURNS)
-    words = essay_words()
-    placed: dict[int, list[int]] = {}
-
-    def build(n: int, _: int) -> str:
-        text, offsets = interleave(
-            head, split_sentences(" ".join(words[:n]).strip()), needles, targets, " ", windows
-        )
-        placed[n] = offsets
-        return text
-
-    fitted = fit_context(tokenizer, build, length, 0, len(words), int(length / 1.35), task=TASK)
-    offsets = placed[fitted.units]
-    depths = token_depths(tokenizer, fitted.text, offsets)
     items = [
         {"key": k, "value": v, "offset": o, "depth": d}
         for k, v, o, d in zip(keys, values, offsets, depths, strict=True)
@@ -102,8 +82,4 @@ def keys_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, inde
     return shared_sample(fitted.text, turns, meta)
 
 
-def make_samples(
-    tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int = 0
-) -> list[Sample]:
-    """``num_samples`` ``sc_keys`` samples (sample ``i`` does not depend on how many are asked)."""
-    return [keys_sample(tokenizer, length, seed, index) for index in range(num_samples)]
+make_samples = per_index(keys_sample)

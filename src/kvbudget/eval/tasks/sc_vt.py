@@ -45,6 +45,7 @@ from kvbudget.eval.tasks.ruler_vt import (
 from kvbudget.eval.tasks.sc_common import (
     NUM_TURNS,
     interleave,
+    per_index,
     shared_sample,
     shuffled_order,
     strata_depths,
@@ -126,8 +127,4 @@ def vt_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, index:
     return shared_sample(fitted.text, turns, meta)
 
 
-def make_samples(
-    tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int = 0
-) -> list[Sample]:
-    """``num_samples`` ``sc_vt`` samples (sample ``i`` does not depend on how many are asked)."""
-    return [vt_sample(tokenizer, length, seed, index) for index in range(num_samples)]
+make_samples = per_index(vt_sample)

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
     ("models and data", ["kvbudget.models", "kvbudget.data"]),
-    ("quantization", ["kvbudget.quantization"]),
+    ("quantization", ["kvbudget.quantization", "kvbudget.quantized_store"]),
     ("cache", ["kvbudget.cache", "kvbudget.static_cache", "kvbudget.joined_cache"]),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),

@@ -180,7 +180,7 @@ def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> tor
     """
     q = query.shape[2]
     window, softcap = layer.sliding_window, layer.softcap
-    if not layer.is_ragged:
+    if not layer.is_ragged and layer.quant is None:
         n = layer.keys.shape[2]
         if not layer.has_invalid and q == n and window is None:
             return _sdpa(query, layer.keys, layer.values, None, scaling, softcap, is_causal=q > 1)

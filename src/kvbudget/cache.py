@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbudget.errors import KVBudgetError
 from kvbudget.phases import Phase
+from kvbudget.quantized_store import GROUP, QuantizedHead, check_storable
 
 #: keys ``[*lead, n, d]``, values ``[*lead, n, d]`` and positions ``[*lead, n]`` of one layout
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -44,6 +45,19 @@ Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 WINDOW_SLACK = 32
 #: session phases whose forwards drop a sliding-window layer's stale entries (see ``BudgetCache.update``)
 WINDOW_TRIM_PHASES = frozenset({Phase.PREFILL, Phase.DECODE, Phase.OFF})
+#: session phases whose forwards find a cache with ``kv_bits`` quantized (the prefill's are done)
+QUANTIZE_PHASES = frozenset({Phase.DECODE, Phase.OFF})
+#: the precisions a cache stores entries at (16: the model's dtype, not quantized)
+KV_BITS = (2, 4, 8, 16)
+
+
+def check_kv_bits(kv_bits: int | None) -> int | None:
+    """``kv_bits`` as the cache takes it (``None`` for 16 or none), or a one-line error."""
+    if kv_bits is None or kv_bits == 16:
+        return None
+    if isinstance(kv_bits, bool) or kv_bits not in KV_BITS:
+        raise KVBudgetError(f"kv_bits must be one of 2, 4, 8 or 16, got {kv_bits!r}")
+    return int(kv_bits)
 
 
 class CacheSession(Protocol):
@@ -55,6 +69,12 @@ class CacheSession(Protocol):
     def phase(self) -> Phase:
         """What the next forward is (prefill, decode, record, off, or a method's own pass over a
         cache); read-only: only the session moves it (see :mod:`kvbudget.session`)."""
+        ...
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits the run's cache stores an entry's values at once the prefill is done (``None``: the
+        model's dtype)."""
         ...
 
     @property
@@ -208,13 +228,19 @@ class BudgetLayer(DynamicLayer):
         positions: ``[batch, kv_heads, n]`` (rectangular) or a list of ``[batch, n_h]`` (per head);
             logical index of each entry, ``-1`` for invalid slots.
         state: per-entry method state, same layout as ``positions`` (float or integer tensors).
+        quant: per KV head, the entries stored at reduced precision (:class:`QuantizedHead`), or
+            ``None``. A quantized layer keeps its positions and state as before (rectangular while
+            every head holds as many entries); its ``keys``/``values``/``head_keys``/``head_values``
+            and :meth:`head` then read dequantized copies made on each access, and assigning them
+            (a decode-time merge) re-quantizes only the entries that changed.
     """
 
     def __init__(self) -> None:
+        self.quant: list[QuantizedHead] | None = None
+        self._head_keys: list[torch.Tensor] | None = None
+        self._head_values: list[torch.Tensor] | None = None
         super().__init__()
         self.seen = 0
-        self.head_keys: list[torch.Tensor] | None = None
-        self.head_values: list[torch.Tensor] | None = None
         self.positions: torch.Tensor | list[torch.Tensor] | None = None
         self.state: dict[str, Any] = {}
         self.has_invalid = False
@@ -224,6 +250,94 @@ class BudgetLayer(DynamicLayer):
         self.softcap: float | None = None
         self._storage: _Storage | None = None
         self._head_storage: list[_Storage] | None = None
+
+    # ------------------------------------------------------------------ key and value views
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, n, head_dim]`` in the rectangular layout, else ``None``."""
+        if self.quant is None:
+            return self._keys
+        return None if self.is_ragged else torch.stack([h.dequantize()[0] for h in self.quant], dim=1)
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        if self.quant is None:
+            self._keys = keys
+        else:
+            self._replace_quantized(list(keys.unbind(1)), None)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self.quant is None:
+            return self._values
+        return None if self.is_ragged else torch.stack([h.dequantize()[1] for h in self.quant], dim=1)
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        if self.quant is None:
+            self._values = values
+        else:
+            self._replace_quantized(None, list(values.unbind(1)))
+
+    @property
+    def head_keys(self) -> list[torch.Tensor] | None:
+        """Per KV head ``[batch, n_h, head_dim]`` in the per-head layout, else ``None``."""
+        if self.quant is None:
+            return self._head_keys
+        return [h.dequantize()[0] for h in self.quant] if self.is_ragged else None
+
+    @head_keys.setter
+    def head_keys(self, keys: list[torch.Tensor] | None) -> None:
+        if self.quant is None:
+            self._head_keys = keys
+        else:
+            self._replace_quantized(keys, None)
+
+    @property
+    def head_values(self) -> list[torch.Tensor] | None:
+        if self.quant is None:
+            return self._head_values
+        return [h.dequantize()[1] for h in self.quant] if self.is_ragged else None
+
+    @head_values.setter
+    def head_values(self, values: list[torch.Tensor] | None) -> None:
+        if self.quant is None:
+            self._head_values = values
+        else:
+            self._replace_quantized(None, values)
+
+    def _replace_quantized(self, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None) -> None:
+        """Store per-head ``keys``/``values`` ``[b, n_h, d]`` (``None``: unchanged) in a quantized
+        layer, re-quantizing the entries that differ from what is stored."""
+        heads = []
+        for h, stored in enumerate(self.quant):
+            old_k, old_v = stored.dequantize()
+            heads.append(
+                stored.replaced(old_k if keys is None else keys[h], old_v if values is None else values[h])
+            )
+        self.quant = heads
+
+    @property
+    def kv_bits(self) -> int:
+        """Bits a stored entry's value takes: 2, 4 or 8 when quantized, else the dtype's."""
+        if self.quant is not None:
+            return self.quant[0].bits
+        return 8 * (self.head_keys[0] if self.is_ragged else self.keys).element_size()
+
+    def quantize(self, bits: int, group: int = GROUP) -> None:
+        """Store the layer's entries at ``bits`` bits from now on (KIVI groups of ``group``; see
+        :mod:`kvbudget.quantized_store`): every whole group quantized, the rest a full-precision
+        tail that decode steps fill. Positions and state stay as they are. A no-op if already
+        quantized (at any precision) or empty."""
+        if self.quant is not None or not self.is_initialized:
+            return
+        heads = []
+        for h in range(self.num_heads):
+            k, v, _ = self.head(h)
+            heads.append(QuantizedHead.from_full(k, v, bits, group))
+        self._keys = self._values = self._head_keys = self._head_values = None
+        self._release_storage()
+        self.quant = heads
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -260,6 +374,10 @@ class BudgetLayer(DynamicLayer):
             new_pos = slots.to(key_states.device)
             self.seen = int(kwargs["seen"])
             self.has_invalid = self.has_invalid or bool((new_pos < 0).any())
+        if self.quant is not None:
+            self._append_quantized(key_states, value_states, new_pos)
+            empty = key_states.new_empty((b, h, 0, key_states.shape[-1]))
+            return empty, empty
         if self.is_ragged:
             self._append_per_head(key_states, value_states, new_pos)
             for name, per_head in self.state.items():
@@ -286,6 +404,21 @@ class BudgetLayer(DynamicLayer):
         self._storage, (self.keys, self.values, self.positions) = _Storage.append(
             self, self._storage, old, (keys, values, positions), first_fill_room
         )
+
+    def _append_quantized(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``[b, h, q, d]`` keys/values and ``[b, q]`` positions to a quantized layer: each
+        head's full-precision tail takes them (and quantizes whole groups); positions and state
+        grow as in the layer's layout."""
+        b, h, q, _ = keys.shape
+        self.quant = [head.append(keys[:, i], values[:, i]) for i, head in enumerate(self.quant)]
+        if self.is_ragged:
+            self.positions = [torch.cat([p, positions], dim=1) for p in self.positions]
+            self.state = {
+                n: [torch.cat([s, s.new_zeros(b, q)], dim=1) for s in v] for n, v in self.state.items()
+            }
+        else:
+            self.positions = torch.cat([self.positions, positions[:, None, :].expand(b, h, q)], dim=-1)
+            self.state = {n: torch.cat([s, s.new_zeros(b, h, q)], dim=-1) for n, s in self.state.items()}
 
     def _append_per_head(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Append ``[b, h, q, d]`` keys/values and ``[b, q]`` positions to every KV head of the
@@ -320,6 +453,7 @@ class BudgetLayer(DynamicLayer):
         return -1
 
     def reset(self) -> None:
+        self.quant = None
         self.keys = self.values = None
         self.head_keys = self.head_values = None
         self.positions = None
@@ -344,24 +478,32 @@ class BudgetLayer(DynamicLayer):
     # ------------------------------------------------------------------ layout helpers
     @property
     def is_ragged(self) -> bool:
-        return self.head_keys is not None
+        if self.quant is not None:
+            return isinstance(self.positions, list)
+        return self._head_keys is not None
 
     @property
     def num_heads(self) -> int:
-        return len(self.head_keys) if self.is_ragged else self.keys.shape[1]
+        if self.quant is not None:
+            return len(self.quant)
+        return len(self._head_keys) if self.is_ragged else self._keys.shape[1]
 
     @property
     def batch_size(self) -> int:
-        return self.head_keys[0].shape[0] if self.is_ragged else self.keys.shape[0]
+        if self.quant is not None:
+            return self.quant[0].batch_size
+        return self._head_keys[0].shape[0] if self.is_ragged else self._keys.shape[0]
 
     @property
     def physical_length(self) -> int:
         """Longest stored head (the per-head layout's heads may be shorter)."""
         if not self.is_initialized:
             return 0
+        if self.quant is not None:
+            return max(head.length for head in self.quant)
         if self.is_ragged:
-            return max(k.shape[1] for k in self.head_keys)
-        return self.keys.shape[-2]
+            return max(k.shape[1] for k in self._head_keys)
+        return self._keys.shape[-2]
 
     def shallow_copy(self) -> BudgetLayer:
         """A layer sharing this layer's tensors (compression never edits tensors in place)."""
@@ -371,7 +513,11 @@ class BudgetLayer(DynamicLayer):
         return layer
 
     def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys ``[b, n_h, d]``, values ``[b, n_h, d]`` and positions ``[b, n_h]`` of KV head ``h``."""
+        """Keys ``[b, n_h, d]``, values ``[b, n_h, d]`` and positions ``[b, n_h]`` of KV head ``h``
+        (a quantized layer's dequantized)."""
+        if self.quant is not None:
+            keys, values = self.quant[h].dequantize()
+            return keys, values, self.positions[h] if self.is_ragged else self.positions[:, h]
         if self.is_ragged:
             return self.head_keys[h], self.head_values[h], self.positions[h]
         return self.keys[:, h], self.values[:, h], self.positions[:, h]
@@ -401,7 +547,14 @@ class BudgetLayer(DynamicLayer):
         if not self.is_initialized:
             return
         self._release_storage()
-        if self.is_ragged:
+        if self.quant is not None:
+            self.quant = [head.map_batch(fn) for head in self.quant]
+            if self.is_ragged:
+                self.positions = [fn(p) for p in self.positions]
+                self.state = {k: [fn(t) for t in v] for k, v in self.state.items()}
+            else:
+                self.positions, self.state = fn(self.positions), {k: fn(v) for k, v in self.state.items()}
+        elif self.is_ragged:
             self._map_heads(fn)
         else:
             self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
@@ -480,6 +633,11 @@ class BudgetLayer(DynamicLayer):
                 raise KVBudgetError(
                     f"cannot drop the last {count} tokens: they are no longer the layer's trailing entries"
                 )
+        if self.quant is not None:
+            seen = self.seen
+            self.keep([[torch.arange(p.shape[1] - count, device=p.device) for p in heads]] * self.batch_size)
+            self.seen = seen - count
+            return
         if self.is_ragged:
             self._map_heads(lambda t: t[:, :-count])
         else:
@@ -525,33 +683,42 @@ class BudgetLayer(DynamicLayer):
         """
         b, h = len(keep_indices), self.num_heads
         counts = [[int(keep_indices[r][i].numel()) for i in range(h)] for r in range(b)]
-        if not self.is_ragged and len({c for row in counts for c in row}) == 1:
+        if self.quant is None and not self.is_ragged and len({c for row in counts for c in row}) == 1:
             self._keep_rectangular(torch.stack([torch.stack(row) for row in keep_indices]))
             return
         head_len = [max(counts[r][i] for r in range(b)) for i in range(h)]
         new_k, new_v, new_p = [], [], []
         new_state: dict[str, list[torch.Tensor]] = {name: [] for name in self.state}
         padded = False
+        new_quant: list[QuantizedHead] = []
         for i in range(h):
-            k_i, v_i, p_i = self.head(i)
+            p_i = self.positions[i] if self.is_ragged else self.positions[:, i]
+            device = p_i.device
             n = head_len[i]
             if b == 1:  # nothing to pad
-                idx, ok = keep_indices[0][i].to(k_i.device).view(1, n), None
+                idx, ok = keep_indices[0][i].to(device).view(1, n), None
             else:
-                idx = torch.zeros((b, n), dtype=torch.long, device=k_i.device)
-                ok = torch.zeros((b, n), dtype=torch.bool, device=k_i.device)
+                idx = torch.zeros((b, n), dtype=torch.long, device=device)
+                ok = torch.zeros((b, n), dtype=torch.bool, device=device)
                 for r in range(b):
                     c = counts[r][i]
-                    idx[r, :c] = keep_indices[r][i].to(k_i.device)
+                    idx[r, :c] = keep_indices[r][i].to(device)
                     ok[r, :c] = True
                 padded = padded or not bool(ok.all())
-            new_k.append(_take(k_i, idx))
-            new_v.append(_take(v_i, idx))
+            if self.quant is not None:
+                new_quant.append(self.quant[i].take(idx))
+            else:
+                k_i, v_i, _ = self.head(i)
+                new_k.append(_take(k_i, idx))
+                new_v.append(_take(v_i, idx))
             kept_positions = _take(p_i, idx)
             new_p.append(kept_positions if ok is None else kept_positions.masked_fill(~ok, -1))
             for name in self.state:
                 new_state[name].append(_take(self.head_state(name, i), idx))
-        self._store(new_k, new_v, new_p, new_state)
+        if self.quant is not None:
+            self._store_quantized(new_quant, new_p, new_state)
+        else:
+            self._store(new_k, new_v, new_p, new_state)
         self.has_invalid = padded or any(bool((p < 0).any()) for p in new_p)
 
     def _keep_rectangular(self, idx: torch.Tensor) -> None:
@@ -585,6 +752,21 @@ class BudgetLayer(DynamicLayer):
             self.positions = head_positions
             self.state = head_state
 
+    def _store_quantized(
+        self,
+        heads: list[QuantizedHead],
+        head_positions: list[torch.Tensor],
+        head_state: dict[str, list[torch.Tensor]],
+    ) -> None:
+        """Store quantized heads with their positions and state, rectangular when every head has the
+        same length."""
+        self.quant = heads
+        if len({p.shape[1] for p in head_positions}) == 1:
+            self.positions = torch.stack(head_positions, dim=1)
+            self.state = {name: torch.stack(v, dim=1) for name, v in head_state.items()}
+        else:
+            self.positions, self.state = head_positions, head_state
+
     # ------------------------------------------------------------------ accounting
     def logical_entries(self) -> torch.Tensor:
         """Valid entries per KV head summed over the batch: ``[kv_heads]``."""
@@ -594,6 +776,8 @@ class BudgetLayer(DynamicLayer):
         """Bytes allocated for this layer's keys and values (with the unused room of storage it owns)."""
         if not self.is_initialized:
             return 0
+        if self.quant is not None:
+            return sum(head.nbytes for head in self.quant)
         if not self.is_ragged:
             return _allocated(self._storage, self, (self.keys, self.values, self.positions))
         storages = self._head_storage or [None] * len(self.head_keys)
@@ -604,6 +788,8 @@ class BudgetLayer(DynamicLayer):
         """Bytes of the key/value entries the layer holds (pads included): what attention reads."""
         if not self.is_initialized:
             return 0
+        if self.quant is not None:
+            return sum(head.nbytes for head in self.quant)
         if self.is_ragged:
             return sum(_bytes(k) + _bytes(v) for k, v in zip(self.head_keys, self.head_values, strict=True))
         return _bytes(self.keys) + _bytes(self.values)
@@ -617,10 +803,23 @@ class BudgetLayer(DynamicLayer):
         return sum(_bytes(t) for t in tensors)
 
     def entry_bytes(self) -> int:
-        """Bytes of one entry (key + value of one token in one head)."""
-        k = self.head_keys[0] if self.is_ragged else self.keys
-        v = self.head_values[0] if self.is_ragged else self.values
+        """Bytes of one full-precision entry (key + value of one token in one head)."""
+        if self.quant is not None:
+            head = self.quant[0]
+            return (head.tail_keys.shape[-1] + head.tail_values.shape[-1]) * head.tail_keys.element_size()
+        k = self._head_keys[0] if self.is_ragged else self._keys
+        v = self._head_values[0] if self.is_ragged else self._values
         return (k.shape[-1] + v.shape[-1]) * k.element_size()
+
+    def stored_bytes(self) -> int:
+        """Bytes of the valid entries at the precision they are stored in: entries × full-precision
+        entry bytes, or a quantized layer's allocated bytes (scales included) times the share of its
+        slots that are valid."""
+        entries = int(self.logical_entries().sum())
+        if self.quant is None:
+            return entries * self.entry_bytes()
+        slots = sum(head.length for head in self.quant) * self.batch_size
+        return round(self.physical_bytes() * entries / max(1, slots))
 
 
 @dataclass
@@ -628,7 +827,8 @@ class CacheStats:
     """Byte accounting of a cache.
 
     Attributes:
-        logical_bytes: bytes of the kept (valid) entries: entries × (key + value) × dtype size.
+        logical_bytes: bytes of the kept (valid) entries: entries × (key + value) × dtype size, or
+            for quantized layers their share of the allocated bytes (scales included).
         physical_bytes: bytes of the allocated key/value tensors (pads included).
         metadata_bytes: positions and per-entry method state (not part of the KV bytes).
         entries: kept entries ``[layers, kv_heads]``, summed over batch rows.
@@ -664,11 +864,23 @@ class BudgetCache(Cache):
         num_layers: decoder layers of the model (``config.num_hidden_layers``).
         session: the active compression session (a :class:`CacheSession`), or ``None`` for a cache
             that only stores.
+        kv_bits: store entries at 2, 4 or 8 bits once the prefill is done (``None`` or 16: in the
+            model's dtype, or what the session says); see :meth:`quantize`.
+        group: KIVI's group ``G`` for quantized storage (tokens of a key group, channels of a value
+            group, the full-precision tail's length before it is quantized).
     """
 
-    def __init__(self, num_layers: int, session: CacheSession | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        session: CacheSession | None = None,
+        kv_bits: int | None = None,
+        group: int = GROUP,
+    ) -> None:
         super().__init__(layers=[BudgetLayer() for _ in range(num_layers)])
         self.session = session
+        self._kv_bits = check_kv_bits(kv_bits)
+        self.group = group
         self.attention_attached = False
         #: set by the prune stage while a pruned sequence runs: (slots ``[b, q]``, logical length)
         self.pruned_slots: tuple[torch.Tensor, int] | None = None
@@ -680,10 +892,12 @@ class BudgetCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
-        if layer.is_ragged and not self.attention_attached:
+        if self.kv_bits is not None and layer.quant is None and self._may_quantize():
+            layer.quantize(self.kv_bits, self.group)
+        if (layer.is_ragged or layer.quant is not None) and not self.attention_attached:
             raise KVBudgetError(
-                "this BudgetCache holds per-head budgets, which only the kvbudget attention can read: "
-                "call kvbudget.attach(model) first"
+                "this BudgetCache holds per-head budgets or quantized entries, which only the kvbudget "
+                "attention can read: call kvbudget.attach(model) first"
             )
         # room to decode into, unless the session is about to compress (and drop) this storage
         room = self.session is None or not self.session.compresses
@@ -696,6 +910,33 @@ class BudgetCache(Cache):
             out = layer.update(key_states, value_states, slots=slots, seen=seen, first_fill_room=room)
         self.note_memory(layer_idx)
         return out
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The precision entries are stored at once the prefill is done: the cache's own, else its
+        session's (``None``: the model's dtype)."""
+        if self._kv_bits is not None:
+            return self._kv_bits
+        return check_kv_bits(getattr(self.session, "kv_bits", None))
+
+    def _may_quantize(self) -> bool:
+        """Whether this forward finds the layer's prefill done (no session: any forward after the
+        first; else the engine's decode and uncompressed appends)."""
+        return self.session is None or self.session.phase in QUANTIZE_PHASES
+
+    def quantize(self, kv_bits: int | None = None, group: int | None = None) -> None:
+        """Store every layer's entries at ``kv_bits`` (default: the cache's) from now on: what the
+        prefill kept is quantized in KIVI groups now, and later tokens as they fill a group
+        (:mod:`kvbudget.quantized_store`). ``kv_bits`` of 16 or ``None`` (with none set) does nothing."""
+        bits = check_kv_bits(kv_bits) if kv_bits is not None else self.kv_bits
+        if bits is None:
+            return
+        self._kv_bits, self.group = bits, group or self.group
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                check_storable(bits, layer.head(0)[0].shape[-1])
+                layer.quantize(bits, self.group)
+                self.note_memory(i)
 
     def _may_trim(self) -> bool:
         """Whether this forward may drop entries that left a sliding window: with no session or in
@@ -757,19 +998,28 @@ class BudgetCache(Cache):
             entries = torch.stack([layer.logical_entries() for layer in layers])
             physical = self.physical_bytes()
             metadata = sum(layer.metadata_bytes() for layer in layers)
+            logical = sum(layer.stored_bytes() for layer in layers)
         else:
             entries = torch.stack([layer.head_lengths()[row] for layer in layers])
             batch = layers[0].batch_size
             physical = sum(layer.physical_bytes() for layer in layers) // batch
             metadata = sum(layer.metadata_bytes() for layer in layers) // batch
-        entry_bytes = layers[0].entry_bytes()
+            share = entries.sum(-1) / torch.stack([layer.logical_entries() for layer in layers]).sum(
+                -1
+            ).clamp(min=1)
+            logical = round(
+                sum(float(s) * layer.stored_bytes() for s, layer in zip(share, layers, strict=True))
+            )
+        extra: dict[str, Any] = {"peak_physical_bytes": self.peak_physical_bytes}
+        if self.kv_bits is not None:
+            extra["kv_bits"] = self.kv_bits
         return CacheStats(
-            logical_bytes=int(entries.sum()) * entry_bytes,
+            logical_bytes=logical,
             physical_bytes=physical,
             metadata_bytes=metadata,
             entries=entries,
             seen_tokens=layers[0].seen,
-            extra={"peak_physical_bytes": self.peak_physical_bytes},
+            extra=extra,
         )
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach, check_supported
-from kvbudget.cache import BudgetCache, CacheStats, full_cache_stats
+from kvbudget.cache import BudgetCache, CacheStats, check_kv_bits, full_cache_stats
 from kvbudget.errors import BudgetError, InputError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
@@ -380,6 +380,7 @@ def generate(
     seed: int = 0,
     return_cache: bool = False,
     decode: str = "eager",
+    kv_bits: int | None = None,
 ) -> GenerationResult | list[GenerationResult]:
     """Compress the prompt's KV cache with ``method`` and generate an answer.
 
@@ -401,6 +402,10 @@ def generate(
             sampling). ``result.cache`` then stays the compressed prompt's cache.
             ``"static-compiled"``: the same with the step through ``torch.compile`` (norms, RoPE and
             activations fused; each new cache shape compiles once, seconds on a CPU, more on a GPU).
+        kv_bits: store the compressed cache at 2, 4 or 8 bits (KIVI groups, a full-precision tail
+            of the latest tokens; :mod:`kvbudget.quantized_store`); 16 or ``None``: the model's
+            dtype. The method scores in full precision during the prefill; what it keeps is
+            quantized before decoding. Any method, budget or ratio composes with it.
 
     Returns:
         A :class:`GenerationResult`, or a list of them for a batch.
@@ -416,6 +421,7 @@ def generate(
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
     if decode not in DECODE_PATHS:
         raise InputError(f"decode must be one of {', '.join(DECODE_PATHS)}, got {decode!r}")
+    bits = check_kv_bits(kv_bits)
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
@@ -436,13 +442,16 @@ def generate(
     )
 
     config = model.config
-    session = CompressionSession(method_obj, config.num_hidden_layers, budget=budget, ratio=ratio)
+    session = CompressionSession(
+        method_obj, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=bits
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
     generator = torch.Generator().manual_seed(seed)
 
     start = time.perf_counter()
     cache, logits, mask, last_pos = prefill(model, prompts, session, pad_id, compress_context_only, eos)
+    cache.quantize(bits)
     prefill_wall = time.perf_counter() - start
     stats_after = [cache.stats(r) for r in range(len(prompts))]
     if decode != "eager" and static_refusal(method_obj, cache, temperature) is None:
@@ -501,14 +510,17 @@ def compress(
     budget: int | None = None,
     ratio: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    kv_bits: int | None = None,
 ) -> BudgetCache:
-    """Prefill ``input_ids: [b, T]`` and return the compressed cache.
+    """Prefill ``input_ids: [b, T]`` and return the compressed cache (stored at ``kv_bits`` bits
+    when given: see :func:`generate`).
 
     The cache stays in decode phase, so ``model.generate(full_ids, past_key_values=cache)``
     continues from it (decode-stage methods keep trimming). Pass the prompt without its last
     token here and the whole prompt to ``generate``.
     """
     check_supported(model)
+    bits = check_kv_bits(kv_bits)
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
@@ -522,9 +534,10 @@ def compress(
     check_ratio_budgets(method_obj, ratio, attention_mask.sum(-1).tolist())
     attach(model)
     layers = model.config.num_hidden_layers
-    session = CompressionSession(method_obj, layers, budget=budget, ratio=ratio, model=model)
+    session = CompressionSession(method_obj, layers, budget=budget, ratio=ratio, model=model, kv_bits=bits)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = PrefillInputs(input_ids, attention_mask, positions, input_ids.shape[1])
     cache, _, _ = prefill_batch(model, inputs, session)
     session.begin_decode()
+    cache.quantize(bits)
     return cache

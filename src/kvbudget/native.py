@@ -49,7 +49,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach, attached, check_supported, detach, is_attached
-from kvbudget.cache import BudgetCache, BudgetLayer
+from kvbudget.cache import BudgetCache, BudgetLayer, check_kv_bits
 from kvbudget.engine import (
     Prompt,
     build_prompt,
@@ -145,6 +145,8 @@ class CompressingCache(BudgetCache):
         method: a registry name (``kvbudget.method_names()``) or a method object (``make_method``).
         budget: entries per KV head on average, window included (default 128); or
         ratio: fraction of each prompt to keep, in (0, 1].
+        kv_bits: store what the prefill kept at 2, 4 or 8 bits (16 or ``None``: the model's dtype),
+            as :func:`kvbudget.generate`'s ``kv_bits``.
 
     One cache serves one ``generate`` call (a batch of left-padded prompts included; each row is
     compressed on its own tokens); use :meth:`copy` to continue one compressed prompt several ways.
@@ -162,15 +164,17 @@ class CompressingCache(BudgetCache):
         method: str | Method = "snapkv",
         budget: int | None = None,
         ratio: float | None = None,
+        kv_bits: int | None = None,
     ) -> None:
         check_supported(model)
+        bits = check_kv_bits(kv_bits)
         method_obj = resolve_method(method)
         check_generate_compatible(method_obj)
         if budget is None and ratio is None:
             budget = 128
         check_budget(method_obj, budget, ratio, model_max_context(model))
         layers = model.config.num_hidden_layers
-        session = _GenerateSession(method_obj, layers, budget=budget, ratio=ratio, model=model)
+        session = _GenerateSession(method_obj, layers, budget=budget, ratio=ratio, model=model, kv_bits=bits)
         super().__init__(layers, session)
         _acquire_attention(model)
         self._model = weakref.ref(model)
@@ -220,6 +224,7 @@ def answer(
     ratio: float | None = None,
     answer_prefix: str = "",
     max_new_tokens: int = 64,
+    kv_bits: int | None = None,
 ) -> list[str]:
     """Compress ``context`` once (question-agnostic) and answer every question from its own copy.
 
@@ -229,6 +234,8 @@ def answer(
     uncompressed to a copy of that cache and answered greedily, decode-stage methods trimming as
     usual. ``budget``/``ratio`` as :func:`kvbudget.generate` (a ratio of the context's tokens).
     The model's attention is routed through kvbudget for the call only (unless it was attached).
+    ``kv_bits``: the compressed context stored at 2, 4 or 8 bits before the questions are appended
+    (as :func:`kvbudget.generate`'s).
 
     Returns:
         One answer per question (special tokens and the final EOS removed), equal to
@@ -245,6 +252,7 @@ def answer(
         raise InputError("questions must be a non-empty list of strings")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    bits = check_kv_bits(kv_bits)
     method_obj = resolve_method(method)
     if Stage.PRUNE in method_obj.stages:
         raise UnsupportedMethodError(
@@ -267,7 +275,7 @@ def answer(
         raise KVBudgetError("the context tokenises differently before different questions: cannot share it")
     check_ratio_budgets(method_obj, ratio, [len(prompts[0].context_ids)])
     with attached(model):
-        return _answer_each(model, tokenizer, prompts, method_obj, budget, ratio, max_new_tokens)
+        return _answer_each(model, tokenizer, prompts, method_obj, budget, ratio, max_new_tokens, bits)
 
 
 def _answer_each(
@@ -278,16 +286,18 @@ def _answer_each(
     budget: int | None,
     ratio: float | None,
     max_new_tokens: int,
+    kv_bits: int | None = None,
 ) -> list[str]:
     """:func:`answer`'s work once its inputs are checked and the model is attached."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
     inputs = [prefill_inputs([p], pad_id, compress_context_only=True) for p in prompts]
     num_layers = model.config.num_hidden_layers
-    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model)
+    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model, kv_bits=kv_bits)
     compressed = BudgetCache(num_layers, session)
     logits = prefill_compressed_part(model, inputs[0], compressed)
     run_lookahead(model, inputs[0], compressed, logits, eos)
+    compressed.quantize()  # at the session's kv_bits, once for every question's copy
 
     answers = []
     for question in inputs:

@@ -62,7 +62,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     mask = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & mask).reshape(*packed.shape[:-1], -1)
+    return ((packed.unsqueeze(-1) >> shifts) & mask).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
@@ -73,6 +73,15 @@ def _round(t: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
     return torch.where(wrong, torch.nextafter(rounded, toward), rounded)
 
 
+def round_scale_and_minimum(
+    low: torch.Tensor, high: torch.Tensor, levels: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's stored (scale, minimum) in ``dtype`` from its fp32 ``low`` and ``high``: the minimum
+    rounded down and the scale ``(high − minimum) / levels`` up, so the stored grid spans the group."""
+    minimum = _round(low, dtype, down=True)
+    return _round((high - minimum.float()) / levels, dtype, down=False), minimum
+
+
 def _quantize_groups(
     x: torch.Tensor, bits: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,8 +90,9 @@ def _quantize_groups(
     stored grid still spans the group and every value is within half a stored step."""
     levels = (1 << bits) - 1
     x32 = x.float()
-    low = _round(x32.amin(-1, keepdim=True), dtype, down=True)
-    scale = _round((x32.amax(-1, keepdim=True) - low.float()) / levels, dtype, down=False)
+    scale, low = round_scale_and_minimum(
+        x32.amin(-1, keepdim=True), x32.amax(-1, keepdim=True), levels, dtype
+    )
     step = scale.float()
     safe = torch.where(step > 0, step, torch.ones_like(step))
     codes = ((x32 - low.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)

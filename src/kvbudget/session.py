@@ -94,6 +94,8 @@ class CompressionSession:
         model: the model the run uses, for what the method binds from it (profiles, filters);
             ``None`` for a method that needs nothing from it.
         run: the run state to use (default: ``method.start(model)``, a fresh one).
+        kv_bits: the precision the run's cache stores entries at once the prefill is done (2, 4 or
+            8; ``None``: the model's dtype); the cache reads it (``BudgetCache.kv_bits``).
 
     Attributes:
         run: the method's :class:`~kvbudget.methods.base.RunState` for this run.
@@ -133,11 +135,13 @@ class CompressionSession:
         ratio: float | None = None,
         model: Any = None,
         run: Any = None,
+        kv_bits: int | None = None,
     ):
         self.method = method
         self.num_layers = num_layers
         self.budget = budget
         self.ratio = ratio
+        self.kv_bits = kv_bits
         self.run = method.start(model) if run is None else run
         self._bound_to = model  # the model the run was started with
         self._phase = Phase.PREFILL

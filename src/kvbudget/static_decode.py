@@ -37,11 +37,15 @@ def static_refusal(method: Any, cache: BudgetCache, temperature: float = 0.0) ->
       KeyDiff, Q-Filters, CaM, BaKlaVa/SqueezeAttention, ...): its eviction reads scores and picks
       entries on the host each step;
     - sampling (``temperature > 0``) draws each token from a host generator;
+    - quantized storage (``kv_bits``): the static buffers hold the model's dtype only (not yet
+      measured on a GPU);
     - a layer stores one head per query head (LAQ's ``budget_per="query-head"``), which the
       model's KV-head writes do not fill.
     """
     if Stage.DECODE in method.stages:
         return f"{method.name} evicts while decoding (its eviction runs on the host every step)"
+    if cache.kv_bits is not None:
+        return f"the cache stores {cache.kv_bits}-bit entries, which the static buffers (bf16) do not hold"
     if temperature > 0:
         return "sampling draws each token on the host"
     layers = cache.layers

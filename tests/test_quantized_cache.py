@@ -139,8 +139,16 @@ def test_bytes_are_counted_by_hand(bits):
 # ---------------------------------------------------------------------------------- the cache
 def test_kv_bits_16_or_none_changes_nothing(llama, tokenizer):
     runs = [
-        kvbudget.generate(llama, tokenizer, CONTEXT, QUESTION, method=small("snapkv"), budget=40,
-                          max_new_tokens=12, kv_bits=bits)  # fmt: skip
+        kvbudget.generate(
+            llama,
+            tokenizer,
+            CONTEXT,
+            QUESTION,
+            method=small("snapkv"),
+            budget=40,
+            max_new_tokens=12,
+            kv_bits=bits,
+        )  # fmt: skip
         for bits in (None, 16)
     ]
     assert runs[0].token_ids == runs[1].token_ids
@@ -176,11 +184,11 @@ def test_physical_bytes_are_the_quantized_storage(llama, tokenizer):
     run = kvbudget.generate(llama, tokenizer, CONTEXT, QUESTION, method=small("ada-snapkv"), budget=40,
                             max_new_tokens=8, kv_bits=4, return_cache=True)  # fmt: skip
     d = llama.config.hidden_size // llama.config.num_attention_heads
-    total = 0
+    total = 0  # fp32 scales; 16 channels make one value group; int16 key groups
     for layer in run.cache.layers:
         for head in layer.quant:
             q, t, g = head.quantized_entries, head.tail_keys.shape[1], head.key_scale.shape[1]
-            total += 2 * q * d // 2 + 2 * g * d * 4 + q * 2 + 2 * q * 1 * 4 + 2 * t * d * 4  # 16 channels: one value group
+            total += 2 * q * d // 2 + 2 * g * d * 4 + q * 2 + 2 * q * 1 * 4 + 2 * t * d * 4
     assert run.cache.physical_bytes() == total == run.cache.stats().physical_bytes
     assert run.cache.stats().as_dict()["kv_bits"] == 4
     full = kvbudget.generate(llama, tokenizer, CONTEXT, QUESTION, method=small("ada-snapkv"), budget=40,
@@ -212,8 +220,17 @@ def test_answer_equals_question_agnostic_generate_at_4_bits(llama, tokenizer):
     answers = kvbudget.answer(llama, tokenizer, CONTEXT, QUESTIONS, method=small("snapkv"), budget=40,
                               max_new_tokens=12, kv_bits=4)  # fmt: skip
     separately = [
-        kvbudget.generate(llama, tokenizer, CONTEXT, q, method=small("snapkv"), budget=40, max_new_tokens=12,
-                          compress_context_only=True, kv_bits=4).text  # fmt: skip
+        kvbudget.generate(
+            llama,
+            tokenizer,
+            CONTEXT,
+            q,
+            method=small("snapkv"),
+            budget=40,
+            max_new_tokens=12,
+            compress_context_only=True,
+            kv_bits=4,
+        ).text  # fmt: skip
         for q in QUESTIONS
     ]
     assert answers == separately
@@ -230,7 +247,7 @@ def test_sequences_at_different_precisions_interleave_on_one_method_object(llama
 
     with torch.no_grad():
         alone = {bits: logits_alone(bits) for bits in (4, 8)}
-        caches = {bits: kvbudget.compress(llama, ids, method=method, budget=70, kv_bits=bits) for bits in (4, 8)}
+        caches = {b: kvbudget.compress(llama, ids, method=method, budget=70, kv_bits=b) for b in (4, 8)}
         for i in range(8):
             for bits, cache in caches.items():
                 got = llama(steps[:, i : i + 1], past_key_values=cache).logits[0, -1]

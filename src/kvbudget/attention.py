@@ -180,16 +180,17 @@ def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> tor
     """
     q = query.shape[2]
     window, softcap = layer.sliding_window, layer.softcap
-    if not layer.is_ragged and layer.quant is None:
-        n = layer.keys.shape[2]
+    if not layer.is_ragged:
+        keys, values = layer.rectangular()  # a quantized layer's dequantized once
+        n = keys.shape[2]
         if not layer.has_invalid and q == n and window is None:
-            return _sdpa(query, layer.keys, layer.values, None, scaling, softcap, is_causal=q > 1)
+            return _sdpa(query, keys, values, None, scaling, softcap, is_causal=q > 1)
         # a forward's own tokens have the same positions in every head: one mask serves all heads
         positions = layer.positions[:, 0] if q == n else layer.positions
         mask = attention_mask_for(positions, q, layer.has_invalid, window)
         if mask is not None and mask.dim() == 4 and mask.shape[1] > 1:
             mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
-        return _sdpa(query, layer.keys, layer.values, mask, scaling, softcap)
+        return _sdpa(query, keys, values, mask, scaling, softcap)
     heads = layer.num_heads
     group = query.shape[1] // heads
     outputs = []

@@ -252,12 +252,25 @@ class BudgetLayer(DynamicLayer):
         self._head_storage: list[_Storage] | None = None
 
     # ------------------------------------------------------------------ key and value views
+    def rectangular(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, kv_heads, n, head_dim]`` of a rectangular layer: its tensors, or
+        a quantized layer's dequantized into one pair of tensors (what attention reads at once)."""
+        if self.quant is None:
+            return self._keys, self._values
+        first = self.quant[0]
+        b, n, h = first.batch_size, first.length, len(self.quant)
+        keys = first.tail_keys.new_empty((b, h, n, first.tail_keys.shape[-1]))
+        values = first.tail_values.new_empty((b, h, n, first.tail_values.shape[-1]))
+        for i, head in enumerate(self.quant):
+            head.dequantize(out=(keys[:, i], values[:, i]))
+        return keys, values
+
     @property
     def keys(self) -> torch.Tensor | None:
         """``[batch, kv_heads, n, head_dim]`` in the rectangular layout, else ``None``."""
         if self.quant is None:
             return self._keys
-        return None if self.is_ragged else torch.stack([h.dequantize()[0] for h in self.quant], dim=1)
+        return None if self.is_ragged else self.rectangular()[0]
 
     @keys.setter
     def keys(self, keys: torch.Tensor | None) -> None:
@@ -270,7 +283,7 @@ class BudgetLayer(DynamicLayer):
     def values(self) -> torch.Tensor | None:
         if self.quant is None:
             return self._values
-        return None if self.is_ragged else torch.stack([h.dequantize()[1] for h in self.quant], dim=1)
+        return None if self.is_ragged else self.rectangular()[1]
 
     @values.setter
     def values(self, values: torch.Tensor | None) -> None:

@@ -98,6 +98,8 @@ class QuantizedHead:
         tail_keys, tail_values: ``[b, t, d]`` full-precision entries, ``t < group`` after a flush
             (more only after a gather moved quantized entries of some rows there).
         bits: 2, 4 or 8. group: ``G``.
+        whole_groups: every key group holds ``G`` consecutive entries (entry ``i`` in group
+            ``i // G``): true until a gather drops entries.
     """
 
     key_codes: torch.Tensor
@@ -111,6 +113,7 @@ class QuantizedHead:
     tail_values: torch.Tensor
     bits: int
     group: int
+    whole_groups: bool = True
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -168,26 +171,61 @@ class QuantizedHead:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     # ------------------------------------------------------------------ reading
-    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[b, n, d]`` and values ``[b, n, dv]`` in ``dtype`` (default: the tail's), the
-        quantized entries first."""
-        dtype = dtype or self.tail_keys.dtype
-        keys, values = self._dequantize_prefix(dtype)
-        if self.tail_keys.shape[1]:
-            keys = torch.cat([keys, self.tail_keys.to(dtype)], dim=1)
-            values = torch.cat([values, self.tail_values.to(dtype)], dim=1)
+    def dequantize(
+        self, dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[b, n, d]`` and values ``[b, n, dv]`` in ``dtype`` (default: the tail's; ``out``'s
+        when given: tensors of those shapes to write into), the quantized entries first.
+
+        Each number is ``code · scale + minimum`` rounded once to ``dtype`` (``addcmul``), written
+        straight into the output beside the tail (no concatenation); whole key groups (nothing
+        evicted from them) broadcast their scale rows instead of gathering one per entry.
+        """
+        b, m = self.key_codes.shape[:2]
+        t = self.tail_keys.shape[1]
+        if out is None:
+            dtype = dtype or self.tail_keys.dtype
+            keys = self.tail_keys.new_empty((b, m + t, self.tail_keys.shape[-1]), dtype=dtype)
+            values = self.tail_values.new_empty((b, m + t, self.tail_values.shape[-1]), dtype=dtype)
+        else:
+            keys, values = out
+            dtype = keys.dtype
+        if m:
+            self._dequantize_keys(keys[:, :m], dtype)
+            self._dequantize_values(values[:, :m], dtype)
+        if t:
+            keys[:, m:].copy_(self.tail_keys)
+            values[:, m:].copy_(self.tail_values)
         return keys, values
 
+    def _dequantize_keys(self, out: torch.Tensor, dtype: torch.dtype) -> None:
+        b, m, d = out.shape
+        codes = unpack(self.key_codes, self.bits).to(dtype)  # [b, m, d]
+        scale, minimum = self.key_scale.to(dtype), self.key_min.to(dtype)
+        g = scale.shape[1]
+        if g * self.group == m and self.whole_groups:  # entry i in group i // G: broadcast
+            shape = (b, g, self.group, d)
+            torch.addcmul(minimum.unsqueeze(2), codes.view(shape), scale.unsqueeze(2), out=out.view(shape))
+        else:
+            groups = self.key_group.long()
+            torch.addcmul(_rows_take(minimum, groups), codes, _rows_take(scale, groups), out=out)
+
+    def _dequantize_values(self, out: torch.Tensor, dtype: torch.dtype) -> None:
+        b, m, dv = out.shape
+        groups_v = self.value_scale.shape[-1]
+        shape = (b, m, groups_v, dv // groups_v)
+        codes = unpack(self.value_codes, self.bits).to(dtype).view(shape)
+        scale, minimum = self.value_scale.to(dtype).unsqueeze(-1), self.value_min.to(dtype).unsqueeze(-1)
+        torch.addcmul(minimum, codes, scale, out=out.view(shape))
+
     def _dequantize_prefix(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantized entries only: keys ``[b, m, d]``, values ``[b, m, dv]``."""
         b, m = self.key_codes.shape[:2]
-        k_codes = unpack(self.key_codes, self.bits).float()  # [b, m, d]
-        groups = self.key_group.long()
-        keys = k_codes * _rows_take(self.key_scale.float(), groups) + _rows_take(self.key_min.float(), groups)
-        v_codes = unpack(self.value_codes, self.bits).float()  # [b, m, dv]
-        dv, groups_v = v_codes.shape[-1], self.value_scale.shape[-1]
-        scale, minimum = self.value_scale.float().unsqueeze(-1), self.value_min.float().unsqueeze(-1)
-        v = v_codes.view(b, m, groups_v, dv // groups_v) * scale + minimum
-        return keys.to(dtype), v.view(b, m, dv).to(dtype)
+        keys = self.tail_keys.new_empty((b, m, self.tail_keys.shape[-1]), dtype=dtype)
+        values = self.tail_values.new_empty((b, m, self.tail_values.shape[-1]), dtype=dtype)
+        self._dequantize_keys(keys, dtype)
+        self._dequantize_values(values, dtype)
+        return keys, values
 
     # ------------------------------------------------------------------ editing (each returns a new head)
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedHead:
@@ -246,6 +284,8 @@ class QuantizedHead:
             value_codes=_rows_take(self.value_codes, head_idx),
             value_scale=_rows_take(self.value_scale, head_idx),
             value_min=_rows_take(self.value_min, head_idx),
+            whole_groups=self.whole_groups
+            and bool((head_idx == torch.arange(lead, device=idx.device)).all()),
         )
         if rest.shape[1] == 0:
             tail_k, tail_v = self.tail_keys[:, :0], self.tail_values[:, :0]
@@ -274,6 +314,7 @@ class QuantizedHead:
             key_scale=_rows_take(self.key_scale, order),
             key_min=_rows_take(self.key_min, order),
             key_group=_rows_take(new_id, self.key_group.long()).to(_group_dtype(keep)),
+            whole_groups=False,
         )
 
     def replaced(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedHead:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kvbudget.cli import checks as check
 from kvbudget.cli.base import console, user_errors
-from kvbudget.cli.options import DeviceOption, DtypeOption, ModelOption
+from kvbudget.cli.options import DeviceOption, DtypeOption, KvBitsOption, ModelOption
 from kvbudget.units import format_bytes
 
 
@@ -32,6 +32,7 @@ def generate(
     compress_context_only: Annotated[
         bool, typer.Option(help="Question-agnostic: compress only the context.")
     ] = False,
+    kv_bits: KvBitsOption = 16,
     dtype: DtypeOption = "float32",
     device: DeviceOption = "auto",
 ) -> None:
@@ -46,13 +47,16 @@ def generate(
     from kvbudget.engine import check_size
 
     check_size(budget, ratio, "--")
+    from kvbudget.cache import check_kv_bits
+
+    bits = check_kv_bits(kv_bits)
     check.at_least(max_new_tokens, 1, "--max-new-tokens")
     dtype = check.dtype(dtype)
     check.model_source(model)
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     result = run(
         lm, tokenizer, context, question, answer_prefix, method=method_obj, budget=budget, ratio=ratio,
-        max_new_tokens=max_new_tokens, compress_context_only=compress_context_only,
+        max_new_tokens=max_new_tokens, compress_context_only=compress_context_only, kv_bits=bits,
     )  # fmt: skip
     console.print(f"[bold]answer:[/bold] {answer_prefix}{result.text}")
     table = Table(title=f"{result.method} on {result.prompt_tokens} prompt tokens")
@@ -64,6 +68,7 @@ def generate(
         ("entries kept / seen", f"{int(after.entries.sum())} / {int(before.entries.sum())}"),
         ("logical KV bytes", format_bytes(after.logical_bytes)),
         ("physical KV bytes", format_bytes(after.physical_bytes)),
+        ("stored at", f"{bits} bits (scales included)" if bits else "the model's dtype"),
         ("full-cache KV bytes", format_bytes(before.logical_bytes)),
         ("per-head budget min / mean / max", f"{int(b.min())} / {b.float().mean():.1f} / {int(b.max())}"),
         ("TTFT", f"{result.ttft_s:.2f} s"),

@@ -26,6 +26,16 @@ DeviceOption = Annotated[
     str, typer.Option(help="Where the model runs: cpu, cuda[:index] or auto (the GPU when there is one).")
 ]
 
+#: ``--kv-bits`` of generate and serve
+KvBitsOption = Annotated[
+    int,
+    typer.Option(
+        "--kv-bits",
+        help="Bits each stored key/value number takes after the prefill: 2, 4 or 8 (KIVI groups), "
+        "16 = the model's dtype.",
+    ),
+]
+
 #: ``--methods`` of the speed benchmarks
 BenchMethodsOption = Annotated[
     list[str] | None, typer.Option(help="Methods (comma-separated); `full` is the uncompressed baseline.")

@@ -134,6 +134,49 @@ def test_four_concurrent_requests_with_their_own_methods_equal_generate_alone(
     assert scheduler.peak_active >= 2  # they were decoded together
 
 
+def test_requests_at_other_precisions_decode_together_and_equal_generate_alone(
+    server, model_and_tokenizer
+) -> None:
+    base, scheduler = server
+    model, tokenizer = model_and_tokenizer
+    runs = [("snapkv:window=8", 60, 4), ("full", None, 8), ("h2o", 60, 2)]
+    texts = [CONTEXT[i:] + f" and {i}?" for i in range(len(runs))]
+    expected = []
+    for text, (spec, budget, bits) in zip(texts, runs, strict=True):
+        sizes = {"budget": budget} if budget else {}
+        expected.append(kvbudget.generate(model, tokenizer, text, method=MethodSpec.parse(spec).build(),
+                                          max_new_tokens=12, kv_bits=bits, **sizes).text)  # fmt: skip
+    scheduler.peak_active = 0
+    got: dict[int, tuple[str, dict]] = {}
+
+    def ask(i: int) -> None:
+        spec, budget, bits = runs[i]
+        body = {"method": spec, "kv_bits": bits, **({"budget": budget} if budget else {})}
+        answer = chat(client(base), texts[i], 12, extra_body={"kvbudget": body})
+        got[i] = (answer.choices[0].message.content, answer.usage.model_extra["kvbudget"])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i][0] for i in range(len(runs))] == expected
+    assert [got[i][1]["kv_bits"] for i in range(len(runs))] == [4, 8, 2]
+    assert scheduler.peak_active >= 2
+
+
+@pytest.mark.parametrize("bits", [3, 32, "4", True])
+def test_other_kv_bits_get_a_400_in_one_line(server, bits) -> None:
+    base, _ = server
+    response = httpx.post(
+        base + "/v1/chat/completions",
+        json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "kvbudget": {"kv_bits": bits}},
+    )
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "kv_bits" in message and "\n" not in message
+
+
 class HoldFirstPrefill(Metrics):
     """Holds the worker after the first request's prefill until :attr:`release` is set, so the test
     arranges the queue while that request is active (however fast the machine decodes)."""

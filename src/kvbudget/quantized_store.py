@@ -49,6 +49,14 @@ def check_storable(bits: int, head_dim: int) -> None:
         )
 
 
+def quantized_entry_bytes(head_dim: int, bits: int, group: int, scale_bytes: int) -> float:
+    """Bytes one quantized entry (a key and a value of ``head_dim`` channels) takes on average: its
+    codes, its value group scales and minima, its key group index (``int16``) and its share of its
+    key group's scale and minimum rows (``scale_bytes``: the cache dtype's size)."""
+    value_groups = head_dim // value_group(head_dim, group)
+    return 2 * head_dim * bits / 8 + 2 * value_groups * scale_bytes + 2 + 2 * head_dim * scale_bytes / group
+
+
 def _group_dtype(groups: int) -> torch.dtype:
     return torch.int16 if groups <= torch.iinfo(torch.int16).max else torch.int32
 
@@ -356,6 +364,15 @@ class QuantizedHead:
                 key_min=torch.where(touched.unsqueeze(-1), minimum, self.key_min),
             )
         return head
+
+    def grown_nbytes(self, tokens: int) -> int:
+        """An upper bound of :attr:`nbytes` once ``tokens`` more entries are appended: each at its
+        quantized size, a whole group's key scale rows extra, and a full tail."""
+        b, d = self.batch_size, self.tail_keys.shape[-1]
+        elt = self.tail_keys.element_size()
+        per_entry = quantized_entry_bytes(d, self.bits, self.group, elt)
+        extra = b * (tokens * per_entry + 2 * d * elt + self.group * 2 * d * elt)
+        return self.nbytes + math.ceil(extra)
 
     def map_batch(self, fn: Any) -> QuantizedHead:
         """Apply ``fn`` (a batch-axis operation: select, reorder, repeat) to every tensor."""

@@ -47,6 +47,15 @@ def evaluate(
             "(0.75 keeps a quarter); run beside --budgets (given alone, without --suite, no budgets run)."
         ),
     ] = None,
+    kv_bits: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-bits",
+            help="Run every method with its cache stored at each of these precisions: 2, 4, 8 (KIVI "
+            "groups) or 16 (the model's dtype), e.g. 4,16; a method's rows at b bits are labelled "
+            "NAME:kv_bits=b.",
+        ),
+    ] = None,
     lengths: LengthsOption = None,
     limit: Annotated[int | None, typer.Option(help="Samples per task and length.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sample seed.")] = None,
@@ -113,6 +122,8 @@ def evaluate(
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
+    if kv_bits:
+        config.methods = _at_precisions(config.methods, int_values(kv_bits, "kv-bits"))
     config.compress_context_only = compress_context_only or config.compress_context_only
     config.shared = shared
     if not config.compression_ratios and any(p != "no_press" for p in presses):
@@ -134,6 +145,20 @@ def evaluate(
         from kvbudget.eval.report import write_report
 
         console.print(f"report: [bold]{write_report(out)}[/bold]")
+
+
+def _at_precisions(methods: list[str], bits: list[int]) -> list[str]:
+    """Each method at each precision: ``snapkv`` at 4 and 16 bits → ``snapkv:kv_bits=4``, ``snapkv``."""
+    from kvbudget.cache import check_kv_bits
+    from kvbudget.eval.runner import expand_methods
+
+    for b in bits:
+        check_kv_bits(b)
+    out = []
+    for method in expand_methods(methods):
+        for b in bits:
+            out.append(method if b == 16 else f"{method}{',' if ':' in method else ':'}kv_bits={b}")
+    return out
 
 
 @needs_extra("eval", "kvbudget eval")

@@ -9,7 +9,7 @@ import typer
 
 from kvbudget.cli import checks as check
 from kvbudget.cli.base import user_errors
-from kvbudget.cli.options import DtypeOption, ModelOption
+from kvbudget.cli.options import DtypeOption, KvBitsOption, ModelOption
 from kvbudget.errors import InputError
 from kvbudget.extras import needs_extra
 
@@ -26,6 +26,7 @@ def serve(
     ratio: Annotated[
         float | None, typer.Option(help="Default fraction of the prompt kept, in (0, 1].")
     ] = None,
+    kv_bits: KvBitsOption = 16,
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",
@@ -75,6 +76,9 @@ def serve(
     from kvbudget.engine import check_size
 
     check_size(budget, ratio, "--")
+    from kvbudget.cache import check_kv_bits
+
+    bits = check_kv_bits(kv_bits)
     check.at_least(max_queue, 1, "--max-queue")
     check.at_least(max_prompt_tokens, 1, "--max-prompt-tokens")
     if log_level not in LEVELS:
@@ -83,7 +87,7 @@ def serve(
         raise InputError(f"--port must be in 1..65535, got {port}")
     dtype = check.dtype(dtype)
     check.model_source(model)
-    default = Compression(method, budget, ratio)
+    default = Compression(method, budget, ratio, bits)
     MethodSpec.parse(method)  # a bad method fails before the model loads
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     registry, metrics = prometheus_metrics()

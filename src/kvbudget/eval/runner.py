@@ -236,6 +236,8 @@ class Runner:
             "method": spec.name, "options": spec.options, "budget": budget,
             "agnostic": self.config.compress_context_only, "dtype": self.config.dtype,
         }  # fmt: skip
+        if spec.kv_bits is not None:  # rows stored in the model's dtype keep their keys
+            fields["kv_bits"] = spec.kv_bits
         if ratio is not None:
             fields["compression_ratio"] = ratio
         if task.family == "perplexity":  # rows scored on another span are other rows
@@ -336,13 +338,14 @@ class Runner:
         for run in pending:
             spec, budget, ratio = run
             entries = budget if ratio is None else ratio_budget(ratio, inputs.compressed_until)
-            if spec.name == "full":
+            if spec.name == "full" and spec.kv_bits is None:
                 outcome = reference
             else:
                 try:
                     outcome = self._run_one(
-                        snapshot, prompt, sample, spec.build(), entries, teacher=reference, candidates=answers
-                    )
+                        snapshot, prompt, sample, spec.build(), entries, teacher=reference,
+                        candidates=answers, kv_bits=spec.kv_bits,
+                    )  # fmt: skip
                     answers.insert(0, outcome.token_ids)
                 except Exception as err:
                     emit(self._error_row(task, length, index, sample, run, entries, err))
@@ -353,21 +356,33 @@ class Runner:
             emit(row)
 
     def _compressed(
-        self, snapshot: Snapshot | None, prompt: Any, method: Method, budget: int | None
+        self,
+        snapshot: Snapshot | None,
+        prompt: Any,
+        method: Method,
+        budget: int | None,
+        kv_bits: int | None = None,
     ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, float]:
         """``prompt``'s cache compressed by ``method`` to ``budget`` (default: the prompt's length),
-        derived from ``snapshot`` or prefilled on its own; the cache, last logits, mask and last
-        position (what decoding continues from: a two-pass method re-indexes its tokens) and the
-        prefill's wall seconds (a snapshot's prefill plus the method's compression)."""
+        derived from ``snapshot`` or prefilled on its own, and stored at ``kv_bits``; the cache, last
+        logits, mask and last position (what decoding continues from: a two-pass method re-indexes
+        its tokens) and the prefill's wall seconds (a snapshot's prefill plus the method's
+        compression)."""
         budget = budget if budget is not None else len(prompt.ids)
         start = time.perf_counter()
         if snapshot is None:
-            session = CompressionSession(method, self.model.config.num_hidden_layers, budget=budget)
+            session = CompressionSession(
+                method, self.model.config.num_hidden_layers, budget=budget, kv_bits=kv_bits
+            )
             cache, logits, mask, last_pos = engine.prefill(
                 self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
             )
+            cache.quantize(kv_bits)
             return cache, logits, mask, last_pos, time.perf_counter() - start
-        cache, logits, mask, last_pos = derive(self.model, snapshot, method, budget=budget, eos=self.eos)
+        cache, logits, mask, last_pos = derive(
+            self.model, snapshot, method, budget=budget, eos=self.eos, kv_bits=kv_bits
+        )
+        cache.quantize(kv_bits)
         if Stage.PRUNE in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
             return cache, logits, mask, last_pos, snapshot.seconds + time.perf_counter() - start
         return (
@@ -387,9 +402,13 @@ class Runner:
         budget: int | None,
         teacher: RunOutcome | None,
         candidates: list[list[int]] = (),
+        kv_bits: int | None = None,
     ) -> RunOutcome:
-        """Generate with one method; with ``teacher``, also its log-probs on the teacher's answer."""
-        cache, logits, mask, last_pos, prefill_wall = self._compressed(snapshot, prompt, method, budget)
+        """Generate with one method (its cache stored at ``kv_bits``); with ``teacher``, also its
+        log-probs on the teacher's answer."""
+        cache, logits, mask, last_pos, prefill_wall = self._compressed(
+            snapshot, prompt, method, budget, kv_bits
+        )
         stats = cache.stats(0)
         budgets = cache.session.kept[0].tolist()
         step_by_step = Stage.DECODE in method.stages
@@ -443,12 +462,12 @@ class Runner:
         for run, method in zip(pending, methods, strict=True):
             spec, budget, ratio = run
             entries = budget if ratio is None else ratio_budget(ratio, inputs.compressed_until)
-            if spec.name == "full":
+            if spec.name == "full" and spec.kv_bits is None:
                 outcome = reference
             else:
                 try:
                     check_shareable(method.stages, method.name)
-                    outcome = self._converse(snapshot, prompts, turns, method, entries, drafts)
+                    outcome = self._converse(snapshot, prompts, turns, method, entries, drafts, spec.kv_bits)
                 except Exception as err:
                     for row in self.error_rows(task, length, index, sample, run, entries, err):
                         emit(row)
@@ -468,9 +487,13 @@ class Runner:
         method: Method,
         budget: int | None,
         drafts: dict[str, list[list[int]]] | None,
+        kv_bits: int | None = None,
     ) -> Conversed:
-        """Compress the first prompt with ``method`` and answer every turn in both modes."""
-        cache, logits, mask, last_pos, prefill_wall = self._compressed(snapshot, prompts[0], method, budget)
+        """Compress the first prompt with ``method`` (stored at ``kv_bits``) and answer every turn in
+        both modes."""
+        cache, logits, mask, last_pos, prefill_wall = self._compressed(
+            snapshot, prompts[0], method, budget, kv_bits
+        )
         compress_s, stats = cache.session.compress_seconds, cache.stats(0).as_dict()
         budgets = cache.session.kept[0].tolist()
         talk = Conversation(self.model, self.tokenizer, self.eos, Stage.DECODE in method.stages)
@@ -527,6 +550,8 @@ class Runner:
             row = self._base_row(task, length, index, sample, run, entries)
             start = time.perf_counter()
             try:
+                if spec.kv_bits is not None:
+                    raise KVBudgetError("kv_bits: perplexity runs store the cache in the model's dtype only")
                 method = spec.build()
                 result = (
                     full if spec.name == "full"
@@ -574,6 +599,7 @@ class Runner:
             "method": spec.name,
             "label": spec.label,
             "options": dict(spec.options),
+            "kv_bits": spec.kv_bits or 16,
             "budget": budget if ratio is None else entries,
             "compression_ratio": ratio,
             "mode": "agnostic" if self.config.compress_context_only else "aware",

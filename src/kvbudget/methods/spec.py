@@ -16,10 +16,15 @@ from kvbudget.methods.registry import make_method
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method name with options, parsed from ``name`` or ``name:key=value,key=value``."""
+    """A method name with options, parsed from ``name`` or ``name:key=value,key=value``.
+
+    ``kv_bits`` (written ``name:kv_bits=4`` like an option, but not the method's: the cache's) stores
+    what the method keeps at 2, 4 or 8 bits (``None``: the model's dtype; 16 is read as ``None``).
+    """
 
     name: str
     options: tuple[tuple[str, str], ...] = ()
+    kv_bits: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
@@ -30,7 +35,14 @@ class MethodSpec:
             if not sep:
                 raise MethodOptionError(f"method option must be key=value, got {pair!r} in {text!r}")
             options.append((key.strip(), value.strip()))
-        spec = cls(name.strip(), tuple(options))
+        bits = [value for key, value in options if key == "kv_bits"]
+        options = [(key, value) for key, value in options if key != "kv_bits"]
+        kv_bits = None
+        if bits:
+            if len(bits) > 1 or not bits[0].isdigit() or int(bits[0]) not in (2, 4, 8, 16):
+                raise MethodOptionError(f"kv_bits must be one of 2, 4, 8 or 16, got {bits[-1]!r} in {text!r}")
+            kv_bits = None if int(bits[0]) == 16 else int(bits[0])
+        spec = cls(name.strip(), tuple(options), kv_bits)
         spec.build()  # validate now, not mid-run
         return spec
 
@@ -39,7 +51,8 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
+        pairs = list(self.options) + ([("kv_bits", str(self.kv_bits))] if self.kv_bits is not None else [])
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:

@@ -83,8 +83,10 @@ def derive(
     budget: int | None = None,
     ratio: float | None = None,
     eos: set[int] | None = None,
+    kv_bits: int | None = None,
 ) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The cache ``method`` would have built during the prefill, from ``snapshot``.
+    """The cache ``method`` would have built during the prefill, from ``snapshot`` (stored at
+    ``kv_bits`` once compressed, before a question-agnostic snapshot's question is appended).
 
     Prune-stage methods need a snapshot taken with ``hidden_states=True``; a two-pass method that
     selects decodes from re-indexed positions (see :func:`kvbudget.prefill.pruned.derive_pruned`).
@@ -99,7 +101,7 @@ def derive(
     position ``[b]`` to decode from (for a two-pass method that selected: its re-indexed tokens').
     """
     num_layers = model.config.num_hidden_layers
-    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model)
+    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model, kv_bits=kv_bits)
     session.observation_memos = snapshot.memos
     session.lookahead_memo = snapshot.lookahead_memo
     if Stage.PRUNE in method.stages:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -31,6 +32,7 @@ from kvbudget.methods.base import Method
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.phases import Stage
 from kvbudget.prefill.common import Prompt, forward_last_logits
+from kvbudget.quantized_store import GROUP, quantized_entry_bytes
 from kvbudget.session import CompressionSession
 
 _ids = itertools.count()
@@ -45,10 +47,12 @@ class Compression:
     method: str = "snapkv"
     budget: int | None = None
     ratio: float | None = None
+    kv_bits: int | None = None  # stored at 2, 4 or 8 bits after the prefill; None: the model's dtype
 
     def label(self) -> str:
         size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
-        return self.method if self.method == "full" else f"{self.method} ({size})"
+        bits = f", {self.kv_bits}-bit" if self.kv_bits is not None else ""
+        return f"{self.method}{bits}" if self.method == "full" else f"{self.method} ({size}{bits})"
 
 
 @dataclass
@@ -168,10 +172,13 @@ def prefill_sequence(model: PreTrainedModel, seq: Sequence, pad_id: int, reuse: 
         budget, ratio = seq.compression.budget, seq.compression.ratio
         if budget is None and ratio is None:
             budget = 128  # kvbudget.generate's default
-        seq.session = CompressionSession(seq.method, config.num_hidden_layers, budget=budget, ratio=ratio)
+        seq.session = CompressionSession(
+            seq.method, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=seq.compression.kv_bits
+        )
         cache, logits, _, last_pos = prefill(
             model, [Prompt(seq.prompt_ids, [])], seq.session, pad_id, False, set(seq.eos)
         )
+        cache.quantize(seq.compression.kv_bits)
         seq.cache, seq.last_pos = cache, int(last_pos[0])
     else:
         if not reuse.continues(seq.prompt_ids):
@@ -227,6 +234,9 @@ def grown_bytes(cache: BudgetCache, tokens: int) -> int:
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
+        if layer.quant is not None:  # quantized entries, a full-precision tail of under a group
+            grown += sum(head.grown_nbytes(tokens) for head in layer.quant)
+            continue
         lengths = layer.head_lengths()[0].tolist()
         grown += sum(_with_room(n + tokens) for n in lengths) * layer.entry_bytes()
     return max(cache.physical_bytes(), grown)
@@ -249,7 +259,9 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     average (layer and head budgets move entries around, not beyond the total). Methods that see
     every layer before compressing (post-prefill stage, lookahead, prune stage, cascading
     re-eviction), methods that may keep more than their budget, and the full cache hold the whole
-    prompt. Each head's storage may then grow by the answer, with the cache's room.
+    prompt. Each head's storage may then grow by the answer, with the cache's room. Quantized
+    storage (``kv_bits``) begins once the prefill is done: the bound is the larger of the prefill's
+    peak in the model's dtype and the kept entries quantized, grown by the answer.
     """
     config = model.config
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
@@ -267,6 +279,18 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     kept = comp.budget if comp.budget is not None else math.ceil((comp.ratio or 1.0) * n)
     kept = min(n, max(kept, method.min_budget()))
     slots = layers * heads  # every head of every layer
+    if comp.kv_bits is not None:
+        in_prefill = (kept * slots + whole_layer) * per_entry
+        return max(in_prefill, _quantized_bytes(config, model.dtype, comp.kv_bits, kept, answer))
     kept_total = (kept + answer) * slots
     kept_with_room = kept_total + max(32 * slots, kept_total // 16)
     return (kept_with_room + whole_layer) * per_entry
+
+
+def _quantized_bytes(config: Any, dtype: torch.dtype, bits: int, kept: int, answer: int) -> int:
+    """KV bytes of ``kept`` entries a head, quantized, grown by ``answer`` tokens (every head of
+    every layer; a full-precision tail of a group and a group's key scales each)."""
+    head_dim = model_entry_bytes(config, dtype) // (2 * dtype.itemsize)
+    per_entry = quantized_entry_bytes(head_dim, bits, GROUP, dtype.itemsize)
+    per_head = (kept + answer) * per_entry + (GROUP + 1) * 2 * head_dim * dtype.itemsize
+    return math.ceil(config.num_hidden_layers * config.num_key_value_heads * per_head)

@@ -122,20 +122,23 @@ def parse_request(
 
 def resolve_compression(options: KVBudgetOptions | None, default: Compression) -> Compression:
     """What the request runs: its method (else the server's), its budget or ratio (else the server's,
-    else ``kvbudget.generate``'s default budget); the full cache has neither."""
+    else ``kvbudget.generate``'s default budget; the full cache has neither) and its ``kv_bits``
+    (else the server's)."""
     method = options.method if options is not None and options.method is not None else default.method
     try:
         MethodSpec.parse(method)
     except KVBudgetError as exc:
         raise APIError(400, str(exc), "kvbudget.method") from None
+    bits = options.kv_bits if options is not None and options.kv_bits is not None else default.kv_bits
+    bits = None if bits == 16 else bits
     if method == "full":
-        return Compression("full", None, None)
+        return Compression("full", None, None, bits)
     budget, ratio = (options.budget, options.ratio) if options is not None else (None, None)
     if budget is None and ratio is None:
         budget, ratio = default.budget, default.ratio
     if budget is None and ratio is None:
         budget = DEFAULT_BUDGET
-    return Compression(method, budget, ratio)
+    return Compression(method, budget, ratio, bits)
 
 
 def refuse_over_limit(

@@ -408,7 +408,7 @@ class Scheduler:
             "total_tokens": len(seq.prompt_ids) + len(seq.generated),
             "kvbudget": {
                 "method": comp.method, "budget": comp.budget, "ratio": comp.ratio,
-                "reused_tokens": seq.reused_tokens, "kept_entries": kept,
+                "kv_bits": comp.kv_bits or 16, "reused_tokens": seq.reused_tokens, "kept_entries": kept,
                 "kv_bytes": cache.physical_bytes() if cache else 0,
             },
         }  # fmt: skip

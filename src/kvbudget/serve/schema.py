@@ -99,12 +99,14 @@ class _Strict(BaseModel):
 class KVBudgetOptions(_Strict):
     """kvbudget's own field (an OpenAI client's ``extra_body={"kvbudget": {...}}``): the method spec
     (``snapkv``, ``snapkv:window=16``, ``name@preset``), and entries per KV head (``budget``) or the
-    fraction of the prompt kept (``ratio``); ``ignore_eos`` decodes ``max_tokens`` whatever is
+    fraction of the prompt kept (``ratio``), the bits a stored number takes after the prefill
+    (``kv_bits``: 2, 4, 8, or 16 for the model's dtype); ``ignore_eos`` decodes ``max_tokens`` whatever is
     sampled (for benchmarks, as vLLM's)."""
 
     method: Name | None = None
     budget: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     ratio: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+    kv_bits: Literal[2, 4, 8, 16] | None = None
     ignore_eos: bool = False
 
     @model_validator(mode="after")

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import kvbudget
-from conftest import seeded, tiny_model
+from conftest import seeded, tiny_model, tiny_tokenizer
 from kvbudget.errors import KVBudgetError
+from kvbudget.methods.spec import MethodSpec
 from kvbudget.quantized_store import QuantizedHead
 from method_matrix import ALL_METHODS, small
 from test_native import CONTEXT, QUESTION, QUESTIONS, _hf_generate, _prompt_ids
@@ -270,3 +271,41 @@ def test_other_bit_widths_are_refused_in_one_line(bits, llama, tokenizer):
     with pytest.raises(KVBudgetError, match="kv_bits must be one of 2, 4, 8 or 16") as err:
         kvbudget.generate(llama, tokenizer, CONTEXT, QUESTION, kv_bits=bits)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------- grids
+def test_a_method_spec_carries_kv_bits_apart_from_the_methods_options():
+    spec = MethodSpec.parse("snapkv:window=8,kv_bits=4")
+    assert spec.options == (("window", "8"),) and spec.kv_bits == 4
+    assert spec.label == "snapkv:window=8,kv_bits=4"
+    assert MethodSpec.parse("snapkv:kv_bits=16") == MethodSpec.parse("snapkv")
+    with pytest.raises(KVBudgetError, match="kv_bits must be one of 2, 4, 8 or 16"):
+        MethodSpec.parse("snapkv:kv_bits=3")
+
+
+def test_eval_runs_each_method_at_each_precision(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvbudget.cli import app
+    from kvbudget.cli.evaluation import _at_precisions
+    from kvbudget.eval.runner import EvalConfig, Runner
+    from kvbudget.eval.store import load_rows
+
+    methods = _at_precisions(["full", "snapkv:window=8"], [4, 16])
+    assert methods == ["full:kv_bits=4", "full", "snapkv:window=8,kv_bits=4", "snapkv:window=8"]
+    config = EvalConfig(
+        tasks=["needle_filler"], lengths=[200], methods=methods, budgets=[70], limit=1, model="tiny"
+    )
+    Runner(config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(True), progress=False).run()
+    rows = {r["label"]: r for r in load_rows(tmp_path / "results.jsonl")}
+    assert set(rows) == {"full", "full:kv_bits=4", "snapkv:window=8", "snapkv:window=8,kv_bits=4"}
+    assert all(r["error"] is None for r in rows.values())
+    assert [rows[label]["kv_bits"] for label in ("full", "full:kv_bits=4")] == [16, 4]
+    for label in ("full", "snapkv:window=8"):
+        assert (
+            rows[label + (":" if label == "full" else ",") + "kv_bits=4"]["physical_bytes"]
+            < rows[label]["physical_bytes"] / 2
+        )
+    assert len({r["key"] for r in rows.values()}) == 4
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "x"), "--kv-bits", "4,3"])
+    assert result.exit_code == 2 and "kv_bits must be one of 2, 4, 8 or 16" in result.output

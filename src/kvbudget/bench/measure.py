@@ -39,7 +39,8 @@ class MeasureSpec:
 
     Attributes:
         model: registry name, local HF directory or .gguf file.
-        method: method spec, ``name`` or ``name:key=value,...`` (``full`` = no compression).
+        method: method spec, ``name`` or ``name:key=value,...`` (``full`` = no compression;
+            ``kv_bits=4`` among the pairs stores the cache at 4 bits).
         length: prompt length in tokens, template and question included (:func:`fit_prompt`), capped
             so the prompt and ``new_tokens`` fit the model's context (8192 − 64 for smollm2-135m).
         budget: entries per KV head (ignored by ``full``).
@@ -134,7 +135,8 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     on_gpu = model.device.type == "cuda"
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     prompt = fit_prompt(tokenizer, spec.task, min(spec.length, max_context - spec.new_tokens), spec.seed)
-    method = MethodSpec.parse(spec.method).build()
+    parsed = MethodSpec.parse(spec.method)  # ``name:kv_bits=4``: the cache stored at 4 bits
+    method, kv_bits = parsed.build(), parsed.kv_bits
     budget = spec.budget
     method.check_budget(budget)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -142,8 +144,9 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
 
     # warm-up: one short prefill and two decode steps with the same method (kernels, allocator)
     warm = type(prompt)(prompt.ids[: min(len(prompt.ids), 2 * budget + 64)], [])
-    session = CompressionSession(MethodSpec.parse(spec.method).build(), layers, budget=budget)
+    session = CompressionSession(parsed.build(), layers, budget=budget, kv_bits=kv_bits)
     cache, logits, mask, last = prefill(model, [warm] * spec.batch, session, pad_id)
+    cache.quantize(kv_bits)
     refusal = static_refusal(session.method, cache) if spec.decode != "eager" else "eager asked for"
     compiled = spec.decode == "static-compiled"
     if refusal is None:
@@ -158,8 +161,11 @@ def measure(spec: MeasureSpec) -> dict[str, Any]:
     if on_gpu:
         torch.cuda.synchronize(model.device)
         torch.cuda.reset_peak_memory_stats(model.device)
-    session = CompressionSession(method, layers, budget=budget)
+    session = CompressionSession(method, layers, budget=budget, kv_bits=kv_bits)
     cache, logits, mask, last, prefill_wall = timed_prefill(model, [prompt] * spec.batch, session, pad_id)
+    start = time.perf_counter()
+    cache.quantize(kv_bits)  # before the first decode step: part of the prefill's wall time
+    prefill_wall += time.perf_counter() - start
     after_prefill = cache.stats()
     if refusal is None:
         decoded = static_decode_loop(model, cache, logits, last, set(), spec.new_tokens, compiled)

@@ -53,6 +53,11 @@ def methods() -> None:
         )
     console.print(allocators)
     console.print(f"{' and '.join(ALLOCATOR_OPTIONS)} do not apply to (refused): " + ", ".join(refused))
+    console.print(
+        "Precision composes with every method: --kv-bits 8, 4 or 2 (kv_bits= in Python, NAME:kv_bits=4 in "
+        "eval and bench) stores what the method kept at that many bits (KIVI: keys per channel, values "
+        "per token, groups of 32); the method scores in full precision first. 16 = the model's dtype."
+    )
     from kvbudget.architectures import ARCHITECTURES
 
     console.print("Supported architectures: " + "; ".join(ARCHITECTURES.values()))

@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # while it starts
     ("methods", ["kvbudget.methods.*", "kvbudget.prefill.common", "kvbudget.prefill.record"]),
     ("prefill", ["kvbudget.prefill.*"]),
+    ("cache files", ["kvbudget.cache_files"]),
     ("static decode", ["kvbudget.static_decode"]),
     ("engine", ["kvbudget.engine"]),
     ("transformers-native use", ["kvbudget.native"]),

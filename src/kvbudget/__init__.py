@@ -23,9 +23,11 @@ __all__ = [
     "compress",
     "detach",
     "generate",
+    "load_cache",
     "load_model",
     "make_method",
     "method_names",
+    "save_cache",
 ]
 
 
@@ -43,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from kvbudget import native
 
         return getattr(native, name)
+    if name in ("save_cache", "load_cache"):
+        from kvbudget import cache_files
+
+        return getattr(cache_files, name)
     if name == "BudgetCache":
         from kvbudget.cache import BudgetCache
 

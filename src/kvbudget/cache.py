@@ -894,6 +894,9 @@ class BudgetCache(Cache):
         self.session = session
         self._kv_bits = check_kv_bits(kv_bits)
         self.group = group
+        #: what the cache is of (model, method, token ids), for ``kvbudget.save_cache``: set by
+        #: ``kvbudget.compress`` and ``kvbudget.load_cache`` (a ``kvbudget.cache_files.CacheSource``)
+        self.source: Any = None
         self.attention_attached = False
         #: set by the prune stage while a pruned sequence runs: (slots ``[b, q]``, logical length)
         self.pruned_slots: tuple[torch.Tensor, int] | None = None

@@ -540,4 +540,8 @@ def compress(
     cache, _, _ = prefill_batch(model, inputs, session)
     session.begin_decode()
     cache.quantize(bits)
+    if input_ids.shape[0] == 1 and bool(attention_mask.all()):  # what kvbudget.save_cache records
+        from kvbudget.cache_files import source_of
+
+        cache.source = source_of(model, cache, input_ids[0].tolist())
     return cache

@@ -309,3 +309,16 @@ def test_eval_runs_each_method_at_each_precision(tmp_path):
     assert len({r["key"] for r in rows.values()}) == 4
     result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "x"), "--kv-bits", "4,3"])
     assert result.exit_code == 2 and "kv_bits must be one of 2, 4, 8 or 16" in result.output
+
+
+def test_the_cli_refuses_other_bit_widths_before_loading_a_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvbudget.cli import app
+
+    context = tmp_path / "context.txt"
+    context.write_text("a context " * 20, encoding="utf-8")
+    for command in (["generate", "--context-file", str(context)], ["serve"]):
+        result = CliRunner().invoke(app, [*command, "--kv-bits", "5", "--model", "no-such-model"])
+        assert result.exit_code == 2, result.output
+        assert "kv_bits must be one of 2, 4, 8 or 16, got 5" in result.output

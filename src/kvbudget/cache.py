@@ -330,13 +330,6 @@ class BudgetLayer(DynamicLayer):
             )
         self.quant = heads
 
-    @property
-    def kv_bits(self) -> int:
-        """Bits a stored entry's value takes: 2, 4 or 8 when quantized, else the dtype's."""
-        if self.quant is not None:
-            return self.quant[0].bits
-        return 8 * (self.head_keys[0] if self.is_ragged else self.keys).element_size()
-
     def quantize(self, bits: int, group: int = GROUP) -> None:
         """Store the layer's entries at ``bits`` bits from now on (KIVI groups of ``group``; see
         :mod:`kvbudget.quantized_store`): every whole group quantized, the rest a full-precision

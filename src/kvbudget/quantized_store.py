@@ -42,7 +42,7 @@ def value_group(head_dim: int, group: int) -> int:
 def check_storable(bits: int, head_dim: int) -> None:
     """One-line error unless entries of ``head_dim`` channels can be stored at ``bits`` bits."""
     if bits not in BITS:
-        raise KVBudgetError(f"kv_bits must be 2, 4, 8 or 16, got {bits!r}")
+        raise KVBudgetError(f"kv_bits must be one of 2, 4, 8 or 16, got {bits!r}")
     if head_dim % (8 // bits):
         raise KVBudgetError(
             f"heads of {head_dim} channels cannot be packed {8 // bits} codes a byte at {bits} bits"

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m
 
-.PHONY: install fetch test demo lint peer ov ov-model
+.PHONY: install fetch test demo lint peer ov ov-model llama
 
 # The stamp is rebuilt only when pyproject.toml changes, so `make install` is quick on rerun.
 install: $(VENV)/.installed
@@ -87,3 +87,19 @@ ov-model: ov install
 	$(BIN)/python -c "from kvbudget.models import model_dir; d = model_dir('$(OV_MODEL)'); print(d / 'hf', d / 'openvino')" | \
 	{ read hf ir; test -f $$ir/openvino_model.xml || $(OV_VENV)/bin/optimum-cli export openvino --model $$hf \
 	  --task text-generation-with-past --weight-format fp16 $$ir; }
+
+# llama.cpp through llama-cpp-python, built here from its source distribution with this machine's
+# compilers (CPU only), in an environment of its own: what a CPU user would run instead, serving the
+# same GGUF file with its KV cache at q8_0 / q4_0 (the byte budget's serving comparison).
+LLAMA_VENV := .venv-llama
+LLAMA_REQUIREMENTS := llama-cpp-python==0.3.36
+
+llama: $(LLAMA_VENV)/.installed
+
+$(LLAMA_VENV)/.installed: Makefile
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMA_VENV)/bin/python -m pip install --quiet --no-binary llama-cpp-python \
+		$(LLAMA_REQUIREMENTS)
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $@

@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
     ("models and data", ["kvbudget.models", "kvbudget.data"]),
     ("quantization", ["kvbudget.quantization", "kvbudget.quantized_store"]),
-    ("cache", ["kvbudget.cache", "kvbudget.static_cache", "kvbudget.joined_cache"]),
+    ("cache", ["kvbudget.cache", "kvbudget.static_cache", "kvbudget.joined_cache", "kvbudget.byte_budget"]),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),
     ("observation", ["kvbudget.observation"]),

@@ -341,6 +341,11 @@ class BudgetLayer(DynamicLayer):
         for h in range(self.num_heads):
             k, v, _ = self.head(h)
             heads.append(QuantizedHead.from_full(k, v, bits, group))
+        self.install_quantized(heads)
+
+    def install_quantized(self, heads: list[Any]) -> None:
+        """Store the layer's entries as ``heads`` (one quantized store per KV head, holding the entries
+        the layer holds now, in its order): its full-precision tensors are released."""
         self._keys = self._values = self._head_keys = self._head_values = None
         self._release_storage()
         self.quant = heads
@@ -890,6 +895,8 @@ class BudgetCache(Cache):
         #: what the cache is of (model, method, token ids), for ``kvbudget.save_cache``: set by
         #: ``kvbudget.compress`` and ``kvbudget.load_cache`` (a ``kvbudget.cache_files.CacheSource``)
         self.source: Any = None
+        #: what a byte budget chose (``kvbudget.byte_budget.apply_byte_budget``), once applied
+        self.byte_budget: dict[str, Any] | None = None
         self.attention_attached = False
         #: set by the prune stage while a pruned sequence runs: (slots ``[b, q]``, logical length)
         self.pruned_slots: tuple[torch.Tensor, int] | None = None
@@ -901,8 +908,11 @@ class BudgetCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
-        if self.kv_bits is not None and layer.quant is None and self._may_quantize():
-            layer.quantize(self.kv_bits, self.group)
+        if layer.quant is None and self._may_quantize():
+            if self._memory() is not None:
+                self.quantize()  # every layer at once: the byte budget is over the whole cache
+            elif self.kv_bits is not None:
+                layer.quantize(self.kv_bits, self.group)
         if (layer.is_ragged or layer.quant is not None) and not self.attention_attached:
             raise KVBudgetError(
                 "this BudgetCache holds per-head budgets or quantized entries, which only the kvbudget "
@@ -928,6 +938,10 @@ class BudgetCache(Cache):
             return self._kv_bits
         return check_kv_bits(getattr(self.session, "kv_bits", None))
 
+    def _memory(self) -> float | None:
+        """The session's byte budget (``memory=``: a share of the full cache's bytes), if any."""
+        return getattr(self.session, "memory", None)
+
     def _may_quantize(self) -> bool:
         """Whether this forward finds the layer's prefill done (no session: any forward after the
         first; else the engine's decode and uncompressed appends)."""
@@ -937,6 +951,13 @@ class BudgetCache(Cache):
         """Store every layer's entries at ``kv_bits`` (default: the cache's) from now on: what the
         prefill kept is quantized in KIVI groups now, and later tokens as they fill a group
         (:mod:`kvbudget.quantized_store`). ``kv_bits`` of 16 or ``None`` (with none set) does nothing."""
+        if self._memory() is not None and all(layer.quant is None for layer in self.layers):
+            from kvbudget.byte_budget import apply_byte_budget  # beside the cache, imported when used
+
+            tokens = getattr(self.session, "memory_tokens", None)
+            self.byte_budget = apply_byte_budget(self, self._memory(), prompt_tokens=tokens)
+            self._kv_bits = self.byte_budget["tiers"][1]  # what appended tokens are stored at
+            return
         bits = check_kv_bits(kv_bits) if kv_bits is not None else self.kv_bits
         if bits is None:
             return
@@ -1022,6 +1043,8 @@ class BudgetCache(Cache):
         extra: dict[str, Any] = {"peak_physical_bytes": self.peak_physical_bytes}
         if self.kv_bits is not None:
             extra["kv_bits"] = self.kv_bits
+        if self.byte_budget is not None:
+            extra["byte_budget"] = self.byte_budget
         return CacheStats(
             logical_bytes=logical,
             physical_bytes=physical,

@@ -21,8 +21,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach, check_supported
-from kvbudget.cache import BudgetCache, CacheStats, check_kv_bits, full_cache_stats
-from kvbudget.errors import BudgetError, InputError
+from kvbudget.byte_budget import check_memory, method_budget
+from kvbudget.cache import BudgetCache, CacheStats, check_kv_bits, full_cache_stats, model_entry_bytes
+from kvbudget.errors import BudgetError, InputError, KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.registry import resolve_method
 from kvbudget.prefill.common import PrefillInputs as PrefillInputs  # re-exported: the prefill's entry
@@ -358,6 +359,21 @@ def static_decode_loop(
     )
 
 
+def memory_budget(model: PreTrainedModel, method: Method, memory: float, prompt_tokens: int) -> int:
+    """The entries per KV head ``method`` keeps on average under a byte budget of ``memory`` (see
+    :func:`kvbudget.byte_budget.method_budget`), checked against what the method needs."""
+    itemsize = model.dtype.itemsize
+    head_dim = model_entry_bytes(model.config, model.dtype) // (2 * itemsize)
+    budget = method_budget(memory, prompt_tokens, head_dim, itemsize)
+    try:
+        method.check_budget(budget)
+    except KVBudgetError as err:
+        raise BudgetError(
+            f"memory={memory} leaves {budget} entries a KV head for {method.name}: {err}"
+        ) from None
+    return budget
+
+
 def _row_entries(cache: BudgetCache) -> list[int]:
     """Total logical entries of each batch row over all layers and KV heads."""
     return torch.stack([layer.head_lengths().sum(-1) for layer in cache.layers]).sum(0).tolist()
@@ -381,6 +397,7 @@ def generate(
     return_cache: bool = False,
     decode: str = "eager",
     kv_bits: int | None = None,
+    memory: float | None = None,
 ) -> GenerationResult | list[GenerationResult]:
     """Compress the prompt's KV cache with ``method`` and generate an answer.
 
@@ -406,6 +423,10 @@ def generate(
             of the latest tokens; :mod:`kvbudget.quantized_store`); 16 or ``None``: the model's
             dtype. The method scores in full precision during the prefill; what it keeps is
             quantized before decoding. Any method, budget or ratio composes with it.
+        memory: a byte budget instead of ``budget``/``ratio``/``kv_bits``: the compressed prompt's
+            cache takes this share of the full cache's bytes in the model's dtype (scales
+            included), in two precisions (:mod:`kvbudget.byte_budget`: the method's highest-ranked
+            kept entries at 8 bits, the rest at 4); one prompt at a time.
 
     Returns:
         A :class:`GenerationResult`, or a list of them for a batch.
@@ -422,6 +443,9 @@ def generate(
     if decode not in DECODE_PATHS:
         raise InputError(f"decode must be one of {', '.join(DECODE_PATHS)}, got {decode!r}")
     bits = check_kv_bits(kv_bits)
+    check_memory(memory, budget, ratio, bits)
+    if memory is not None and batch and len(contexts) > 1:
+        raise InputError("memory= stores one sequence at a time; generate each prompt on its own")
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
         budget = 128
@@ -442,9 +466,14 @@ def generate(
     )
 
     config = model.config
+    if memory is not None:
+        compressed_len = len(prompts[0].context_ids) if compress_context_only else len(prompts[0].ids)
+        budget = memory_budget(model, method_obj, memory, compressed_len)
     session = CompressionSession(
-        method_obj, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=bits
+        method_obj, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=bits, memory=memory
     )
+    if memory is not None:
+        session.memory_tokens = compressed_len
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
     generator = torch.Generator().manual_seed(seed)

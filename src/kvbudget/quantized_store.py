@@ -379,3 +379,114 @@ class QuantizedHead:
         names = ("key_codes", "key_scale", "key_min", "key_group", "value_codes", "value_scale",
                  "value_min", "tail_keys", "tail_values")  # fmt: skip
         return replace(self, **{name: fn(getattr(self, name)) for name in names})
+
+
+def pack_all(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int = GROUP) -> QuantizedHead:
+    """``keys/values: [b, n, d]`` all quantized (the last key group may hold fewer than ``group``
+    entries), no tail: a byte budget's tier, whose bytes are :func:`segment_bytes`."""
+    head = QuantizedHead.empty_like(keys, values, bits, group)
+    b, n, _ = keys.shape
+    if n == 0:
+        return head
+    local = (torch.arange(n, device=keys.device) // group).expand(b, n)
+    groups = -(-n // group)
+    codes, scale, minimum = quantize_key_groups(keys, local, groups, bits)
+    quantized_values = quantize_values(values, bits, value_group(values.shape[-1], group))
+    return replace(
+        head,
+        key_codes=pack(codes, bits),
+        key_scale=scale,
+        key_min=minimum,
+        key_group=local.to(_group_dtype(groups)),
+        value_codes=quantized_values.packed,
+        value_scale=quantized_values.scale,
+        value_min=quantized_values.minimum,
+        tail_keys=keys[:, :0],
+        tail_values=values[:, :0],
+        whole_groups=n % group == 0,
+    )
+
+
+def segment_bytes(n: int, bits: int, head_dim: int, group: int, scale_bytes: int) -> int:
+    """Bytes of :func:`pack_all` over ``n`` entries of one batch row: codes, value scales and minima,
+    key group indices and ``⌈n / group⌉`` key scale and minimum rows."""
+    value_groups = head_dim // value_group(head_dim, group)
+    per_entry = 2 * head_dim * bits // 8 + 2 * value_groups * scale_bytes + 2
+    return n * per_entry + -(-n // group) * 2 * head_dim * scale_bytes
+
+
+@dataclass(frozen=True)
+class TieredHead:
+    """One KV head (one batch row) at two precisions: ``high`` (the method's highest-ranked kept
+    entries, all quantized at ``high.bits``), then ``low`` (the rest at ``low.bits``, its tail the
+    full-precision latest tokens). The same interface as :class:`QuantizedHead`; entries are in
+    slot order, ``high``'s first."""
+
+    high: QuantizedHead
+    low: QuantizedHead
+
+    @property
+    def bits(self) -> int:
+        return self.low.bits
+
+    @property
+    def group(self) -> int:
+        return self.low.group
+
+    @property
+    def length(self) -> int:
+        return self.high.length + self.low.length
+
+    @property
+    def quantized_entries(self) -> int:
+        return self.high.length + self.low.quantized_entries
+
+    @property
+    def batch_size(self) -> int:
+        return self.low.batch_size
+
+    @property
+    def tail_keys(self) -> torch.Tensor:
+        return self.low.tail_keys
+
+    @property
+    def tail_values(self) -> torch.Tensor:
+        return self.low.tail_values
+
+    @property
+    def nbytes(self) -> int:
+        return self.high.nbytes + self.low.nbytes
+
+    def dequantize(
+        self, dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if out is None:
+            b, d, dv = self.batch_size, self.tail_keys.shape[-1], self.tail_values.shape[-1]
+            dtype = dtype or self.tail_keys.dtype
+            out = (self.tail_keys.new_empty((b, self.length, d), dtype=dtype),
+                   self.tail_values.new_empty((b, self.length, dv), dtype=dtype))  # fmt: skip
+        m = self.high.length
+        self.high.dequantize(out=(out[0][:, :m], out[1][:, :m]))
+        self.low.dequantize(out=(out[0][:, m:], out[1][:, m:]))
+        return out
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> TieredHead:
+        return replace(self, low=self.low.append(keys, values))
+
+    def take(self, idx: torch.Tensor) -> TieredHead:
+        """``idx: [1, k]`` sorted slot indices (one batch row: a byte budget serves one sequence)."""
+        m = self.high.length
+        split = int((idx < m).sum())
+        return TieredHead(self.high.take(idx[:, :split]), self.low.take(idx[:, split:] - m))
+
+    def replaced(self, keys: torch.Tensor, values: torch.Tensor) -> TieredHead:
+        m = self.high.length
+        return TieredHead(
+            self.high.replaced(keys[:, :m], values[:, :m]), self.low.replaced(keys[:, m:], values[:, m:])
+        )
+
+    def grown_nbytes(self, tokens: int) -> int:
+        return self.high.nbytes + self.low.grown_nbytes(tokens)
+
+    def map_batch(self, fn: Any) -> TieredHead:
+        return TieredHead(self.high.map_batch(fn), self.low.map_batch(fn))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from kvbudget.byte_budget import RANK_STATE
 
 
 def protected_mask(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
@@ -24,6 +28,16 @@ def protected_mask(positions: torch.Tensor, window: int, sinks: int) -> torch.Te
     if sinks > 0:
         protect |= valid & (counts.cumsum(-1) <= sinks)
     return protect
+
+
+def record_ranks(layer: Any, scores: torch.Tensor, protected: torch.Tensor) -> None:
+    """Note ``scores: [b, kv_heads, n]`` on the layer's entries as their ranking (protected ones first)
+    when a byte budget asks for it (the layer holds a ``RANK_STATE`` state of the scores' shape), so
+    that the entries kept next carry it: :mod:`kvbudget.byte_budget` stores the highest-ranked ones
+    at the higher precision."""
+    state = layer.state.get(RANK_STATE)
+    if isinstance(state, torch.Tensor) and state.shape == scores.shape:
+        layer.state[RANK_STATE] = torch.where(protected, torch.full_like(state, math.inf), scores.float())
 
 
 def select_keep(

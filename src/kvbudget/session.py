@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from kvbudget.byte_budget import RANK_STATE
 from kvbudget.observation import Observation
 from kvbudget.phases import COMPRESS_AT_PREFILL, Phase, PhaseError, Stage
 
@@ -96,6 +97,9 @@ class CompressionSession:
         run: the run state to use (default: ``method.start(model)``, a fresh one).
         kv_bits: the precision the run's cache stores entries at once the prefill is done (2, 4 or
             8; ``None``: the model's dtype); the cache reads it (``BudgetCache.kv_bits``).
+        memory: a byte budget (:mod:`kvbudget.byte_budget`): the share of the full cache's bytes the
+            compressed prompt may take, in two precisions; the cache applies it once the prefill is
+            done. While it is set, each layer notes the method's ranking of its entries.
 
     Attributes:
         run: the method's :class:`~kvbudget.methods.base.RunState` for this run.
@@ -136,12 +140,16 @@ class CompressionSession:
         model: Any = None,
         run: Any = None,
         kv_bits: int | None = None,
+        memory: float | None = None,
     ):
         self.method = method
         self.num_layers = num_layers
         self.budget = budget
         self.ratio = ratio
         self.kv_bits = kv_bits
+        self.memory = memory
+        #: the prompt tokens ``memory`` is a share of (set by the engine; default: what the cache saw)
+        self.memory_tokens: int | None = None
         self.run = method.start(model) if run is None else run
         self._bound_to = model  # the model the run was started with
         self._phase = Phase.PREFILL
@@ -334,6 +342,8 @@ class CompressionSession:
         """``PREFILL``: keep the queries a lookahead wants, then compress the layer now (prefill and
         prune stages) or record it for after the last layer (post-prefill); count what it kept."""
         start = self.clock(query.device)
+        if self.memory is not None and not layer.is_ragged and RANK_STATE not in layer.state:
+            layer.state[RANK_STATE] = layer.positions.float()  # recency, unless the method scores them
         keep_queries = self.method.queries_to_record()
         if keep_queries:
             self.recorded_queries[layer_idx] = query[:, :, max(0, query.shape[2] - keep_queries) :]

@@ -33,6 +33,13 @@ def generate(
         bool, typer.Option(help="Question-agnostic: compress only the context.")
     ] = False,
     kv_bits: KvBitsOption = 16,
+    memory: Annotated[
+        float | None,
+        typer.Option(
+            help="A byte budget instead of --budget/--ratio/--kv-bits: the share of the full cache's bytes "
+            "the prompt's cache may take, in (0, 1]; the method's best entries at 8 bits, the next at 4."
+        ),
+    ] = None,
     dtype: DtypeOption = "float32",
     device: DeviceOption = "auto",
 ) -> None:
@@ -50,6 +57,9 @@ def generate(
     from kvbudget.cache import check_kv_bits
 
     bits = check_kv_bits(kv_bits)
+    from kvbudget.byte_budget import check_memory
+
+    check_memory(memory, budget, ratio, bits)
     check.at_least(max_new_tokens, 1, "--max-new-tokens")
     dtype = check.dtype(dtype)
     check.model_source(model)
@@ -57,6 +67,7 @@ def generate(
     result = run(
         lm, tokenizer, context, question, answer_prefix, method=method_obj, budget=budget, ratio=ratio,
         max_new_tokens=max_new_tokens, compress_context_only=compress_context_only, kv_bits=bits,
+        memory=memory,
     )  # fmt: skip
     console.print(f"[bold]answer:[/bold] {answer_prefix}{result.text}")
     table = Table(title=f"{result.method} on {result.prompt_tokens} prompt tokens")
@@ -68,7 +79,7 @@ def generate(
         ("entries kept / seen", f"{int(after.entries.sum())} / {int(before.entries.sum())}"),
         ("logical KV bytes", format_bytes(after.logical_bytes)),
         ("physical KV bytes", format_bytes(after.physical_bytes)),
-        ("stored at", f"{bits} bits (scales included)" if bits else "the model's dtype"),
+        ("stored at", _precision(bits, after.extra.get("byte_budget"))),
         ("full-cache KV bytes", format_bytes(before.logical_bytes)),
         ("per-head budget min / mean / max", f"{int(b.min())} / {b.float().mean():.1f} / {int(b.max())}"),
         ("TTFT", f"{result.ttft_s:.2f} s"),
@@ -82,3 +93,11 @@ def generate(
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _precision(bits: int | None, chosen: dict | None) -> str:
+    """How the cache stores its entries: the dtype, one precision, or a byte budget's two."""
+    if chosen is not None:
+        (high, low), n_high, n_low = chosen["tiers"], sum(chosen["high"]), sum(chosen["low"])
+        return f"{n_high} entries at {high} bits, {n_low} at {low} (scales included)"
+    return f"{bits} bits (scales included)" if bits else "the model's dtype"

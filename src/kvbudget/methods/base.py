@@ -42,7 +42,7 @@ import torch
 from kvbudget.errors import BudgetError, MethodOptionError
 from kvbudget.observation import Observation
 from kvbudget.phases import Stage
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import protected_mask, record_ranks, select_keep
 
 #: one batch row's selection at its budget, ``(row, budget) → (protected, entries per head)``:
 #: the entries always kept ``[kv_heads, n]`` bool and how many each head keeps ``[kv_heads]``
@@ -89,6 +89,7 @@ def evict_rows(
     for r, target in enumerate(targets):
         if target is not None:
             protected[r], kept[r] = select_row(r, target)
+    record_ranks(obs.layer, scores, protected)
     obs.layer.keep(select_keep(scores, kept, valid, protected))
     return kept
 

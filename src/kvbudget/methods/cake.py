@@ -14,7 +14,7 @@ from kvbudget.methods.layerwise import LayerwiseMethod, LayerwiseRun, pool_candi
 from kvbudget.observation import Observation, reduce_group
 from kvbudget.phases import Stage
 from kvbudget.scoring import pool_keys
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import protected_mask, record_ranks, select_keep
 
 #: The CAKE authors' per-model temperatures (antgroup/cakekv,
 #: ``experiments/LongBench/config/model2tau.json``): checkpoint (the folder names of their
@@ -226,4 +226,5 @@ class CAKE(LayerwiseMethod):
         candidates = (valid & ~protected).repeat_interleave(obs.group_size, dim=1)
         pooled = pool_candidates(obs.last_row_probs(), candidates, self.kernel, self.pooling)
         scores = reduce_group(pooled, obs.num_kv_heads, "mean")
+        record_ranks(obs.layer, scores, protected)
         obs.layer.keep(select_keep(scores, budgets, valid, protected))

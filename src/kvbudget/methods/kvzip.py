@@ -14,7 +14,7 @@ from kvbudget.errors import KVBudgetError, MethodOptionError
 from kvbudget.masks import in_window
 from kvbudget.methods.base import Method, RunState
 from kvbudget.phases import Stage
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import protected_mask, record_ranks, select_keep
 from kvbudget.session import CompressionSession
 
 if TYPE_CHECKING:
@@ -407,6 +407,7 @@ class KVzip(Method):
             for layer_idx in range(num_layers):
                 budgets[layer_idx][r] = counts[layer_idx]
         for layer_idx, layer in enumerate(cache.layers):
+            record_ranks(layer, scores[layer_idx], protected)
             layer.keep(select_keep(scores[layer_idx], budgets[layer_idx], valid, protected))
             session.kept[:, layer_idx] = layer.head_lengths().cpu()
             cache.note_memory(layer_idx)

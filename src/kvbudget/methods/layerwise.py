@@ -40,7 +40,7 @@ from kvbudget.cache import BudgetLayer
 from kvbudget.methods.base import Method, RunState, evict_rows, held_entries
 from kvbudget.observation import Observation
 from kvbudget.scoring import pool_keys
-from kvbudget.selection import protected_mask, select_keep
+from kvbudget.selection import protected_mask, record_ranks, select_keep
 
 
 @dataclass
@@ -369,6 +369,7 @@ class LayerwiseMethod(Method):
                     changed = True
                 kept[r] = counts.cpu() + protected[r].sum(-1).cpu()
             if changed:
+                record_ranks(layer, scores, protected)
                 layer.keep(select_keep(scores, kept, valid, protected))
         if final:
             for layer in layers:

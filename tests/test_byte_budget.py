@@ -105,3 +105,26 @@ def test_question_agnostic_runs_keep_the_question_out_of_the_budget(llama, token
     context_tokens = len(kvbudget.engine.build_prompt(tokenizer, CONTEXT, QUESTION).context_ids)
     assert chosen["target_bytes"] == int(0.2 * layers * heads * context_tokens * 2 * D * SCALE)
     assert run.cache_stats_after.physical_bytes > chosen["stored_bytes"]  # the question, in full precision
+
+
+def test_eval_rows_under_a_byte_budget(tmp_path):
+    from conftest import tiny_model, tiny_tokenizer
+    from kvbudget.eval.runner import EvalConfig, Runner
+    from kvbudget.eval.store import load_rows
+    from kvbudget.methods.spec import MethodSpec
+
+    assert MethodSpec.parse("snapkv:window=8,memory=0.2").label == "snapkv:window=8,memory=0.2"
+    for bad in ("snapkv:memory=0", "snapkv:memory=2", "snapkv:memory=x", "snapkv:memory=0.2,kv_bits=4"):
+        with pytest.raises(KVBudgetError, match="memory must be one share"):
+            MethodSpec.parse(bad)
+    methods = ["full", "snapkv:window=8,memory=0.2"]
+    config = EvalConfig(
+        tasks=["needle_filler"], lengths=[200], methods=methods, budgets=[40, 70], limit=1, model="t"
+    )
+    Runner(config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(True), progress=False).run()
+    rows = {r["label"]: r for r in load_rows(tmp_path / "results.jsonl")}
+    assert set(rows) == set(methods)  # the byte budget runs once, not at each of the budgets
+    row = rows["snapkv:window=8,memory=0.2"]
+    assert row["error"] is None and row["memory"] == 0.2
+    chosen = row["byte_budget"]
+    assert chosen["stored_bytes"] <= chosen["target_bytes"] == int(0.2 * rows["full"]["logical_bytes"])

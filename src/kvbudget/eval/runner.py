@@ -202,7 +202,7 @@ class Runner:
         (ratio ``None``) and every ratio (budget ``None``); ``full`` runs once, with neither."""
         triples: list[tuple[MethodSpec, int | None, float | None]] = []
         for spec in self.specs:
-            if spec.name == "full":
+            if spec.name == "full" or spec.memory is not None:  # once: no budget or ratio of its own
                 triples.append((spec, None, None))
             else:
                 triples.extend((spec, b, None) for b in self.config.budgets)
@@ -238,6 +238,8 @@ class Runner:
         }  # fmt: skip
         if spec.kv_bits is not None:  # rows stored in the model's dtype keep their keys
             fields["kv_bits"] = spec.kv_bits
+        if spec.memory is not None:
+            fields["memory"] = spec.memory
         if ratio is not None:
             fields["compression_ratio"] = ratio
         if task.family == "perplexity":  # rows scored on another span are other rows
@@ -344,7 +346,7 @@ class Runner:
                 try:
                     outcome = self._run_one(
                         snapshot, prompt, sample, spec.build(), entries, teacher=reference,
-                        candidates=answers, kv_bits=spec.kv_bits,
+                        candidates=answers, kv_bits=spec.kv_bits, memory=spec.memory,
                     )  # fmt: skip
                     answers.insert(0, outcome.token_ids)
                 except Exception as err:
@@ -362,6 +364,7 @@ class Runner:
         method: Method,
         budget: int | None,
         kv_bits: int | None = None,
+        memory: float | None = None,
     ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, float]:
         """``prompt``'s cache compressed by ``method`` to ``budget`` (default: the prompt's length),
         derived from ``snapshot`` or prefilled on its own, and stored at ``kv_bits``; the cache, last
@@ -369,19 +372,24 @@ class Runner:
         its tokens) and the prefill's wall seconds (a snapshot's prefill plus the method's
         compression)."""
         budget = budget if budget is not None else len(prompt.ids)
+        compressed = len(prompt.context_ids) if self.config.compress_context_only else len(prompt.ids)
+        if memory is not None:
+            budget = engine.memory_budget(self.model, method, memory, compressed)
         start = time.perf_counter()
         if snapshot is None:
             session = CompressionSession(
-                method, self.model.config.num_hidden_layers, budget=budget, kv_bits=kv_bits
+                method, self.model.config.num_hidden_layers, budget=budget, kv_bits=kv_bits, memory=memory
             )
+            session.memory_tokens = compressed
             cache, logits, mask, last_pos = engine.prefill(
                 self.model, [prompt], session, self.pad_id, self.config.compress_context_only, self.eos
             )
             cache.quantize(kv_bits)
             return cache, logits, mask, last_pos, time.perf_counter() - start
         cache, logits, mask, last_pos = derive(
-            self.model, snapshot, method, budget=budget, eos=self.eos, kv_bits=kv_bits
-        )
+            self.model, snapshot, method, budget=budget, eos=self.eos, kv_bits=kv_bits, memory=memory,
+            memory_tokens=compressed,
+        )  # fmt: skip
         cache.quantize(kv_bits)
         if Stage.PRUNE in method.stages:  # the deeper layers it ran on the kept tokens are prefill too
             return cache, logits, mask, last_pos, snapshot.seconds + time.perf_counter() - start
@@ -403,11 +411,12 @@ class Runner:
         teacher: RunOutcome | None,
         candidates: list[list[int]] = (),
         kv_bits: int | None = None,
+        memory: float | None = None,
     ) -> RunOutcome:
         """Generate with one method (its cache stored at ``kv_bits``); with ``teacher``, also its
         log-probs on the teacher's answer."""
         cache, logits, mask, last_pos, prefill_wall = self._compressed(
-            snapshot, prompt, method, budget, kv_bits
+            snapshot, prompt, method, budget, kv_bits, memory
         )
         stats = cache.stats(0)
         budgets = cache.session.kept[0].tolist()
@@ -467,7 +476,9 @@ class Runner:
             else:
                 try:
                     check_shareable(method.stages, method.name)
-                    outcome = self._converse(snapshot, prompts, turns, method, entries, drafts, spec.kv_bits)
+                    outcome = self._converse(
+                        snapshot, prompts, turns, method, entries, drafts, spec.kv_bits, spec.memory
+                    )
                 except Exception as err:
                     for row in self.error_rows(task, length, index, sample, run, entries, err):
                         emit(row)
@@ -488,11 +499,12 @@ class Runner:
         budget: int | None,
         drafts: dict[str, list[list[int]]] | None,
         kv_bits: int | None = None,
+        memory: float | None = None,
     ) -> Conversed:
         """Compress the first prompt with ``method`` (stored at ``kv_bits``) and answer every turn in
         both modes."""
         cache, logits, mask, last_pos, prefill_wall = self._compressed(
-            snapshot, prompts[0], method, budget, kv_bits
+            snapshot, prompts[0], method, budget, kv_bits, memory
         )
         compress_s, stats = cache.session.compress_seconds, cache.stats(0).as_dict()
         budgets = cache.session.kept[0].tolist()
@@ -533,6 +545,7 @@ class Runner:
             physical_bytes=outcome.stats["physical_bytes"],
             held_bytes=max(t.kv_bytes for t in outcome.turns[mode]),
             budgets=outcome.budgets,
+            **_byte_budget(outcome.stats),
             error=None,
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )  # fmt: skip
@@ -550,8 +563,10 @@ class Runner:
             row = self._base_row(task, length, index, sample, run, entries)
             start = time.perf_counter()
             try:
-                if spec.kv_bits is not None:
-                    raise KVBudgetError("kv_bits: perplexity runs store the cache in the model's dtype only")
+                if spec.kv_bits is not None or spec.memory is not None:
+                    raise KVBudgetError(
+                        "kv_bits, memory: perplexity runs store the cache in the model's dtype"
+                    )
                 method = spec.build()
                 result = (
                     full if spec.name == "full"
@@ -600,6 +615,7 @@ class Runner:
             "label": spec.label,
             "options": dict(spec.options),
             "kv_bits": spec.kv_bits or 16,
+            "memory": spec.memory,
             "budget": budget if ratio is None else entries,
             "compression_ratio": ratio,
             "mode": "agnostic" if self.config.compress_context_only else "aware",
@@ -629,6 +645,7 @@ class Runner:
             logical_bytes=outcome.stats["logical_bytes"],
             physical_bytes=outcome.stats["physical_bytes"],
             budgets=outcome.budgets,
+            **_byte_budget(outcome.stats),
             selection_layer=outcome.selection_layer,
             error=None,
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -660,3 +677,9 @@ def run_eval(config: EvalConfig, out: Path, progress: bool = True, **kwargs: Any
     runner = Runner(config, out, progress=progress, **kwargs)  # validates before anything is written
     (out / "config.json").write_text(json.dumps(asdict(runner.config), indent=2), encoding="utf-8")
     return runner.run()
+
+
+def _byte_budget(stats: dict[str, Any]) -> dict[str, Any]:
+    """A byte budget's choice for a row (entries per precision per layer, target and stored bytes),
+    when the run had one."""
+    return {"byte_budget": stats["byte_budget"]} if "byte_budget" in stats else {}

@@ -20,11 +20,14 @@ class MethodSpec:
 
     ``kv_bits`` (written ``name:kv_bits=4`` like an option, but not the method's: the cache's) stores
     what the method keeps at 2, 4 or 8 bits (``None``: the model's dtype; 16 is read as ``None``).
+    ``memory`` (``name:memory=0.125``) is a byte budget instead (``kvbudget.generate(memory=)``): the
+    run has no budget or ratio of its own.
     """
 
     name: str
     options: tuple[tuple[str, str], ...] = ()
     kv_bits: int | None = None
+    memory: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
@@ -36,13 +39,24 @@ class MethodSpec:
                 raise MethodOptionError(f"method option must be key=value, got {pair!r} in {text!r}")
             options.append((key.strip(), value.strip()))
         bits = [value for key, value in options if key == "kv_bits"]
-        options = [(key, value) for key, value in options if key != "kv_bits"]
+        memories = [value for key, value in options if key == "memory"]
+        options = [(key, value) for key, value in options if key not in ("kv_bits", "memory")]
         kv_bits = None
         if bits:
             if len(bits) > 1 or not bits[0].isdigit() or int(bits[0]) not in (2, 4, 8, 16):
                 raise MethodOptionError(f"kv_bits must be one of 2, 4, 8 or 16, got {bits[-1]!r} in {text!r}")
             kv_bits = None if int(bits[0]) == 16 else int(bits[0])
-        spec = cls(name.strip(), tuple(options), kv_bits)
+        memory = None
+        if memories:
+            try:
+                memory = float(memories[-1])
+            except ValueError:
+                memory = -1.0
+            if len(memories) > 1 or not 0 < memory <= 1 or kv_bits is not None:
+                raise MethodOptionError(
+                    f"memory must be one share of the full cache's bytes in (0, 1], no kv_bits, in {text!r}"
+                )
+        spec = cls(name.strip(), tuple(options), kv_bits, memory)
         spec.build()  # validate now, not mid-run
         return spec
 
@@ -52,6 +66,7 @@ class MethodSpec:
     @property
     def label(self) -> str:
         pairs = list(self.options) + ([("kv_bits", str(self.kv_bits))] if self.kv_bits is not None else [])
+        pairs += [("memory", f"{self.memory:g}")] if self.memory is not None else []
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
 
 

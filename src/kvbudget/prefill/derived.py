@@ -84,6 +84,8 @@ def derive(
     ratio: float | None = None,
     eos: set[int] | None = None,
     kv_bits: int | None = None,
+    memory: float | None = None,
+    memory_tokens: int | None = None,
 ) -> tuple[BudgetCache, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cache ``method`` would have built during the prefill, from ``snapshot`` (stored at
     ``kv_bits`` once compressed, before a question-agnostic snapshot's question is appended).
@@ -101,7 +103,10 @@ def derive(
     position ``[b]`` to decode from (for a two-pass method that selected: its re-indexed tokens').
     """
     num_layers = model.config.num_hidden_layers
-    session = CompressionSession(method, num_layers, budget=budget, ratio=ratio, model=model, kv_bits=kv_bits)
+    session = CompressionSession(
+        method, num_layers, budget=budget, ratio=ratio, model=model, kv_bits=kv_bits, memory=memory
+    )
+    session.memory_tokens = memory_tokens
     session.observation_memos = snapshot.memos
     session.lookahead_memo = snapshot.lookahead_memo
     if Stage.PRUNE in method.stages:

@@ -2,7 +2,7 @@
 budget), from the shared-context rows (one 2K context, four questions; later turns scored).
 
     .venv/bin/python lab/scripts/equal_bytes_plot.py lab/results/shared-context-agnostic \\
-        [--plot docs/equal-bytes.png] [--mode multi-request]
+        [--plot docs/equal-bytes.png] [--mode multi-request] [--tasks sc_keys,sc_code,sc_vt]
 
 A point is a (method, precision, ratio): its later-turn score (turns 2-4, the mean within each task,
 then over tasks) against its cache's size right after the compression as a share of the full bf16
@@ -23,36 +23,52 @@ from kvbudget.eval.store import load_rows
 from kvbudget.eval.turns_report import is_conversation, later_turns
 
 
-def _base(label: str) -> tuple[str, int]:
-    """``snapkv:kv_bits=4`` → (``snapkv``, 4); a label without kv_bits is at 16."""
+def _base(label: str) -> tuple[str, str]:
+    """``snapkv:kv_bits=4`` → (``snapkv``, ``"4"``); without kv_bits ``"16"``; a byte budget
+    (``snapkv:memory=0.125``) → (``snapkv``, ``"8+4"``: its two precisions)."""
     name, _, options = label.partition(":")
     pairs = dict(p.split("=", 1) for p in options.split(",") if "=" in p)
-    bits = int(pairs.pop("kv_bits", 16))
+    bits = "8+4" if pairs.pop("memory", None) is not None else pairs.pop("kv_bits", "16")
     rest = ",".join(f"{k}={v}" for k, v in pairs.items())
     return (name + (":" + rest if rest else ""), bits)
 
 
-def points(rows: list[dict], mode: str) -> dict[tuple[str, int, float | None], tuple[float, float, int]]:
-    """(method, bits, ratio) → (bytes share, later-turn score, tasks) over the common tasks."""
+def _budget(row: dict) -> float | None:
+    """The row's compression ratio, or its byte budget's share."""
+    return row.get("memory") if row.get("memory") is not None else row.get("compression_ratio")
+
+
+Key = tuple[str, str, float | None]
+
+
+def points(
+    rows: list[dict], mode: str, tasks: set[str] | None = None
+) -> tuple[dict[Key, tuple[float, float, int]], list[Key]]:
+    """(method, bits, ratio) → (bytes share, later-turn score, tasks), for the points with every
+    sample of every task the full cache has; and the points left out (incomplete)."""
     rows = [r for r in rows if is_conversation(r) and r.get("error") is None and r["conversation"] == mode]
-    rows = [r for r in rows if not r["label"].startswith("kvpress:")]
+    rows = [
+        r for r in rows if not r["label"].startswith("kvpress:") and (tasks is None or r["task"] in tasks)
+    ]
     full = {(r["task"], r["sample"]): r["logical_bytes"] for r in rows if r["label"] == "full"}
-    groups: dict[tuple[str, int, float | None], dict[str, list[dict]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+    wanted: dict[str, set[int]] = defaultdict(set)
+    for task, sample in full:
+        wanted[task].add(sample)
+    groups: dict[Key, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if (r["task"], r["sample"]) in full:
-            groups[(*_base(r["label"]), r.get("compression_ratio"))][r["task"]].append(r)
-    samples = {key: {t: {r["sample"] for r in rs} for t, rs in by.items()} for key, by in groups.items()}
-    tasks = set.intersection(*(set(s) for s in samples.values())) if samples else set()
-    tasks = {t for t in tasks if len({frozenset(s[t]) for s in samples.values()}) == 1}
-    out = {}
+            groups[(*_base(r["label"]), _budget(r))][r["task"]].append(r)
+    out, left_out = {}, []
     for key, by in groups.items():
-        share = [sum(r["physical_bytes"] / full[(t, r["sample"])] for r in by[t]) / len(by[t]) for t in tasks]
-        score = [sum(later_turns(r) for r in by[t]) / len(by[t]) for t in tasks]
-        if tasks:
-            out[key] = (sum(share) / len(share), sum(score) / len(score), len(tasks))
-    return out
+        if any({r["sample"] for r in by.get(task, [])} != samples for task, samples in wanted.items()):
+            left_out.append(key)
+            continue
+        share = [
+            sum(r["physical_bytes"] / full[(t, r["sample"])] for r in by[t]) / len(by[t]) for t in wanted
+        ]
+        score = [sum(later_turns(r) for r in by[t]) / len(by[t]) for t in wanted]
+        out[key] = (sum(share) / len(share), sum(score) / len(score), len(wanted))
+    return out, left_out
 
 
 def main() -> None:
@@ -60,13 +76,20 @@ def main() -> None:
     parser.add_argument("results", type=Path)
     parser.add_argument("--mode", default="multi-request", choices=("multi-request", "multi-turn"))
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--tasks", default="sc_keys,sc_code,sc_vt", help="comma-separated; all: every task")
     args = parser.parse_args()
-    found = points(load_rows(args.results / "results.jsonl"), args.mode)
+    tasks = None if args.tasks == "all" else set(args.tasks.split(","))
+    found, left_out = points(load_rows(args.results / "results.jsonl"), args.mode, tasks)
     if not found:
         sys.exit("no shared-context rows with a full-cache row beside them")
     tasks = next(iter(found.values()))[2]
     print(f"{args.mode}, later turns, {tasks} tasks: score (x100) at a share of the full bf16 cache's bytes")
-    print("| method | bits | r | bytes % | later turns |")
+    if left_out:
+        print(
+            "left out (not every sample of every task yet): "
+            + ", ".join(f"{n} {b}-bit {r}" for n, b, r in left_out)
+        )
+    print("| method | bits | r (or memory) | bytes % | later turns |")
     print("|---|---|---|---|---|")
     for (name, bits, ratio), (share, score, _) in sorted(found.items(), key=lambda kv: kv[1][0]):
         shown = ratio if ratio is not None else "–"
@@ -78,13 +101,13 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        lines: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+        lines: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
         for (name, bits, _), (share, score, _) in found.items():
             lines[(name if name != "full" else "full (quantization alone)", bits)].append((share, score))
         names = sorted({name for name, _ in lines})
         for (name, bits), pts in sorted(lines.items()):
             pts.sort()
-            style = {16: "-", 8: ":", 4: "--", 2: "-."}[bits]
+            style = {"16": "-", "8": ":", "4": "--", "2": "-.", "8+4": (0, (1, 1, 4, 1))}[bits]
             color = plt.get_cmap("tab10")(names.index(name) % 10)
             ax.plot(
                 [100 * s for s, _ in pts],

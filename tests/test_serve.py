@@ -407,3 +407,21 @@ def test_the_real_model_reuses_a_conversation_and_answers_the_follow_up_sooner(r
         ttft_follow, _, usage = first_token_seconds(follow)
     assert first_usage["reused_tokens"] == 0 and usage["reused_tokens"] > 1000
     assert ttft_follow < ttft_first
+
+
+def test_a_byte_budget_request_equals_generate_alone(server, model_and_tokenizer) -> None:
+    base, _ = server
+    model, tokenizer = model_and_tokenizer
+    text = CONTEXT + " and the byte budget?"
+    expected = kvbudget.generate(model, tokenizer, text, method=MethodSpec.parse("snapkv:window=8").build(),
+                                 max_new_tokens=12, memory=0.3).text  # fmt: skip
+    body = {"method": "snapkv:window=8", "memory": 0.3}
+    answer = chat(client(base), text, 12, extra_body={"kvbudget": body})
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.model_extra["kvbudget"]["memory"] == 0.3
+    for bad in ({"memory": 0.3, "budget": 40}, {"memory": 0}, {"memory": 0.3, "kv_bits": 4}):
+        response = httpx.post(
+            base + "/v1/chat/completions",
+            json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "kvbudget": bad},
+        )
+        assert response.status_code == 400 and "memory" in response.json()["error"]["message"]

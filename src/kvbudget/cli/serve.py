@@ -27,6 +27,13 @@ def serve(
         float | None, typer.Option(help="Default fraction of the prompt kept, in (0, 1].")
     ] = None,
     kv_bits: KvBitsOption = 16,
+    memory: Annotated[
+        float | None,
+        typer.Option(
+            help="Default byte budget instead of --budget/--ratio/--kv-bits: the share of the full cache's "
+            "bytes a prompt's cache may take, in (0, 1]."
+        ),
+    ] = None,
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",
@@ -79,6 +86,9 @@ def serve(
     from kvbudget.cache import check_kv_bits
 
     bits = check_kv_bits(kv_bits)
+    from kvbudget.byte_budget import check_memory
+
+    check_memory(memory, budget, ratio, bits)
     check.at_least(max_queue, 1, "--max-queue")
     check.at_least(max_prompt_tokens, 1, "--max-prompt-tokens")
     if log_level not in LEVELS:
@@ -87,7 +97,7 @@ def serve(
         raise InputError(f"--port must be in 1..65535, got {port}")
     dtype = check.dtype(dtype)
     check.model_source(model)
-    default = Compression(method, budget, ratio, bits)
+    default = Compression(method, budget, ratio, bits, memory)
     MethodSpec.parse(method)  # a bad method fails before the model loads
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     registry, metrics = prometheus_metrics()

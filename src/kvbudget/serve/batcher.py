@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvbudget.cache import BudgetCache, model_entry_bytes
-from kvbudget.engine import next_token, prefill
+from kvbudget.engine import memory_budget, next_token, prefill
 from kvbudget.errors import InputError
 from kvbudget.joined_cache import JoinedCache
 from kvbudget.methods.base import Method
@@ -48,8 +48,11 @@ class Compression:
     budget: int | None = None
     ratio: float | None = None
     kv_bits: int | None = None  # stored at 2, 4 or 8 bits after the prefill; None: the model's dtype
+    memory: float | None = None  # a byte budget instead of budget, ratio and kv_bits
 
     def label(self) -> str:
+        if self.memory is not None:
+            return f"{self.method} (memory={self.memory:g})"
         size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
         bits = f", {self.kv_bits}-bit" if self.kv_bits is not None else ""
         return f"{self.method}{bits}" if self.method == "full" else f"{self.method} ({size}{bits})"
@@ -169,12 +172,17 @@ def prefill_sequence(model: PreTrainedModel, seq: Sequence, pad_id: int, reuse: 
     """
     config = model.config
     if reuse is None:
-        budget, ratio = seq.compression.budget, seq.compression.ratio
-        if budget is None and ratio is None:
+        comp = seq.compression
+        budget, ratio = comp.budget, comp.ratio
+        if comp.memory is not None:
+            budget = memory_budget(model, seq.method, comp.memory, len(seq.prompt_ids))
+        elif budget is None and ratio is None:
             budget = 128  # kvbudget.generate's default
         seq.session = CompressionSession(
-            seq.method, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=seq.compression.kv_bits
-        )
+            seq.method, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=comp.kv_bits,
+            memory=comp.memory,
+        )  # fmt: skip
+        seq.session.memory_tokens = len(seq.prompt_ids)
         cache, logits, _, last_pos = prefill(
             model, [Prompt(seq.prompt_ids, [])], seq.session, pad_id, False, set(seq.eos)
         )
@@ -276,6 +284,13 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
         or type(method).exceeds_budget
     ):
         return layers * whole_layer * per_entry
+    if comp.memory is not None:  # the prefill's peak in the model's dtype, then the bytes and the answer
+        kept = min(n, max(memory_budget(model, method, comp.memory, n), method.min_budget()))
+        in_prefill = (kept * layers * heads + whole_layer) * per_entry
+        after = math.ceil(comp.memory * n * layers * heads * per_entry) + _quantized_bytes(
+            config, model.dtype, 4, 0, answer
+        )
+        return max(in_prefill, after)
     kept = comp.budget if comp.budget is not None else math.ceil((comp.ratio or 1.0) * n)
     kept = min(n, max(kept, method.min_budget()))
     slots = layers * heads  # every head of every layer

@@ -129,11 +129,15 @@ def resolve_compression(options: KVBudgetOptions | None, default: Compression) -
         MethodSpec.parse(method)
     except KVBudgetError as exc:
         raise APIError(400, str(exc), "kvbudget.method") from None
+    if options is not None and options.memory is not None:
+        return Compression(method, None, None, None, options.memory)
     bits = options.kv_bits if options is not None and options.kv_bits is not None else default.kv_bits
     bits = None if bits == 16 else bits
     if method == "full":
         return Compression("full", None, None, bits)
     budget, ratio = (options.budget, options.ratio) if options is not None else (None, None)
+    if budget is None and ratio is None and bits == default.kv_bits and default.memory is not None:
+        return Compression(method, None, None, None, default.memory)  # the server's byte budget
     if budget is None and ratio is None:
         budget, ratio = default.budget, default.ratio
     if budget is None and ratio is None:

@@ -38,7 +38,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach
-from kvbudget.engine import check_ratio_budgets
+from kvbudget.engine import check_ratio_budgets, memory_budget
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.spec import MethodSpec
@@ -204,6 +204,8 @@ class Scheduler:
             )
         method = self.method_for(compression)
         check_ratio_budgets(method, compression.ratio, [len(prompt_ids)])
+        if compression.memory is not None:  # a budget the method cannot keep: a one-line 400 now
+            memory_budget(self.model, method, compression.memory, len(prompt_ids))
         seq = make_sequence(
             prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method, ignore_eos
         )
@@ -408,7 +410,8 @@ class Scheduler:
             "total_tokens": len(seq.prompt_ids) + len(seq.generated),
             "kvbudget": {
                 "method": comp.method, "budget": comp.budget, "ratio": comp.ratio,
-                "kv_bits": comp.kv_bits or 16, "reused_tokens": seq.reused_tokens, "kept_entries": kept,
+                "kv_bits": comp.kv_bits or 16, "memory": comp.memory, "reused_tokens": seq.reused_tokens,
+                "kept_entries": kept,
                 "kv_bytes": cache.physical_bytes() if cache else 0,
             },
         }  # fmt: skip

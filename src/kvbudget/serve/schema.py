@@ -100,19 +100,23 @@ class KVBudgetOptions(_Strict):
     """kvbudget's own field (an OpenAI client's ``extra_body={"kvbudget": {...}}``): the method spec
     (``snapkv``, ``snapkv:window=16``, ``name@preset``), and entries per KV head (``budget``) or the
     fraction of the prompt kept (``ratio``), the bits a stored number takes after the prefill
-    (``kv_bits``: 2, 4, 8, or 16 for the model's dtype); ``ignore_eos`` decodes ``max_tokens`` whatever is
-    sampled (for benchmarks, as vLLM's)."""
+    (``kv_bits``: 2, 4, 8, or 16 for the model's dtype) — or a byte budget instead of all three
+    (``memory``: the share of the full cache's bytes, :mod:`kvbudget.byte_budget`); ``ignore_eos``
+    decodes ``max_tokens`` whatever is sampled (for benchmarks, as vLLM's)."""
 
     method: Name | None = None
     budget: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     ratio: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     kv_bits: Literal[2, 4, 8, 16] | None = None
+    memory: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     ignore_eos: bool = False
 
     @model_validator(mode="after")
     def _one_size(self) -> KVBudgetOptions:
         if self.budget is not None and self.ratio is not None:
             raise PydanticCustomError("budget_and_ratio", "give budget or ratio, not both")
+        if self.memory is not None and (self.budget, self.ratio, self.kv_bits) != (None, None, None):
+            raise PydanticCustomError("memory_alone", "give memory or budget/ratio/kv_bits, not both")
         return self
 
 
@@ -327,6 +331,13 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
     if field in _FORMS and kind.endswith("_type"):
         return f"{param} must be {_FORMS[field]}, got {quote(first.get('input'))}", param
     message = first["msg"]
-    if kind not in {"unsupported", "unknown_role", "one_prompt", "empty_prompt", "budget_and_ratio"}:
+    if kind not in {
+        "unsupported",
+        "unknown_role",
+        "one_prompt",
+        "empty_prompt",
+        "budget_and_ratio",
+        "memory_alone",
+    }:
         message = f"{message[:1].lower()}{message[1:]}, got {quote(first.get('input'))}"
     return (f"{param}: {message}" if param else message), param

@@ -58,7 +58,7 @@ def methods() -> None:
         "eval and bench) stores what the method kept at that many bits (KIVI: keys per channel, values "
         "per token, groups of 32); the method scores in full precision first. 16 = the model's dtype. "
         "--memory 0.125 (memory= in Python, NAME:memory=0.125 in eval, the server's extra_body) is a byte "
-        "budget instead: the method's best entries at 8 bits, more at 4, meeting 12.5% of the full cache's bytes."
+        "budget instead: the method's best entries at 8 bits, more at 4, in 12.5% of the full cache's bytes."
     )
     from kvbudget.architectures import ARCHITECTURES
 

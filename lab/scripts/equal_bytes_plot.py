@@ -2,7 +2,7 @@
 budget), from the shared-context rows (one 2K context, four questions; later turns scored).
 
     .venv/bin/python lab/scripts/equal_bytes_plot.py lab/results/shared-context-agnostic \\
-        [--plot docs/equal-bytes.png] [--mode multi-request] [--tasks sc_keys,sc_code,sc_vt]
+        [--plot PNG] [--mode multi-request] [--tasks sc_keys,sc_code,sc_vt]
 
 A point is a (method, precision, ratio): its later-turn score (turns 2-4, the mean within each task,
 then over tasks) against its cache's size right after the compression as a share of the full bf16

@@ -147,6 +147,7 @@ def evaluate(
         console.print(f"report: [bold]{write_report(out)}[/bold]")
 
 
+@needs_extra("eval", "kvbudget eval")
 def _at_precisions(methods: list[str], bits: list[int]) -> list[str]:
     """Each method at each precision: ``snapkv`` at 4 and 16 bits → ``snapkv:kv_bits=4``, ``snapkv``."""
     from kvbudget.cache import check_kv_bits

@@ -247,6 +247,14 @@ def test_later_turns_against_the_full_cache_by_hand():
     assert difference.mean == pytest.approx(((1 / 3 - 1) + (1 / 3 - 2 / 3)) / 2) and difference.n == 2
     assert difference.low <= difference.mean <= difference.high
     assert later_minus_full(rows, "m", ("r", 0.5), "multi-request") is None
+    # the full cache stored at 4 bits is another run, not the reference (its method is "full" too)
+    quantized = [
+        dict(_row("full", i, "multi-turn", [1, 0, 0, 0]), label="full:kv_bits=4", key=f"q{i}") for i in (0, 1)
+    ]
+    assert (
+        later_minus_full(rows + quantized, "m", ("r", 0.5), "multi-turn", resamples=200).mean
+        == difference.mean
+    )
     table = turns_table(rows, resamples=200)
     line = next(line for line in table if "| m |" in line)
     assert "| 100.0 | 33.3 | -50.0 [" in line and line.endswith("| 1.0 | 2 | 2 |")

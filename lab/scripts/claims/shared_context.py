@@ -66,7 +66,7 @@ def shared_context_table(rows: list[dict], track: str) -> list[str]:
         n = max((len(s) for s in samples.values()), default=0)
         full_tasks = {t for (t, label, _), s in samples.items() if label == "full" and len(s) == n}
         groups = sorted({(column, label) for (_, label, column) in samples if label != "full"},
-                        key=lambda g: (-g[0][1], g[1]))  # fmt: skip
+                        key=lambda g: (-(g[0][1] if g[0] else 0.0), g[1]))  # fmt: skip
         level = 1 - LEVEL / max(1, len(groups))
         full = [r for r in here if r["label"] == "full" and r["task"] in full_tasks]
         if full:
@@ -90,7 +90,7 @@ def shared_context_table(rows: list[dict], track: str) -> list[str]:
                 cell = f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
                 judged = verdict(difference.low, difference.high)
             lines.append(
-                f"| {mode} | {column[1]:g} | {label} "
+                f"| {mode} | {f'{column[1]:g}' if column else '–'} | {label} "
                 f"| {100 * mean_over_tasks(group, lambda r: r['turns'][0]['score']):.1f} "
                 f"| {100 * mean_over_tasks(group, later_turns):.1f} | {cell} | {judged} "
                 f"| {mean_over_tasks(group, lambda r: r['compress_s']):.1f} "

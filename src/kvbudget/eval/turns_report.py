@@ -53,7 +53,7 @@ def later_minus_full(
     full = {
         (r["task"], r["length"], r["sample"]): later_turns(r)
         for r in rows
-        if r["method"] == "full" and r["conversation"] == mode
+        if r["label"] == "full" and r["conversation"] == mode  # the model's dtype: not full:kv_bits=4
     }
     by_task: dict[str, list[float]] = defaultdict(list)
     for r in rows:

@@ -279,10 +279,14 @@ def _peer_env() -> dict[str, str]:
 @dataclass(frozen=True)
 class PressSpec:
     """A kvpress press as the runner's rows name a method: ``name`` ``kvpress:NAME`` (method and
-    label), ``options`` the press's settings (in the row key, so other settings make other rows)."""
+    label), ``options`` the press's settings (in the row key, so other settings make other rows).
+    A press stores its cache in the model's dtype, under no byte budget (``kv_bits``, ``memory``:
+    ``None``, as a :class:`~kvbudget.methods.spec.MethodSpec` without them)."""
 
     name: str
     options: tuple[tuple[str, str], ...]
+    kv_bits: int | None = None
+    memory: float | None = None
 
     @classmethod
     def of(cls, press: str) -> PressSpec:

@@ -236,11 +236,10 @@ class Runner:
             "method": spec.name, "options": spec.options, "budget": budget,
             "agnostic": self.config.compress_context_only, "dtype": self.config.dtype,
         }  # fmt: skip
-        kv_bits, memory = getattr(spec, "kv_bits", None), getattr(spec, "memory", None)  # kvpress: neither
-        if kv_bits is not None:  # rows stored in the model's dtype keep their keys
-            fields["kv_bits"] = kv_bits
-        if memory is not None:
-            fields["memory"] = memory
+        if spec.kv_bits is not None:  # rows stored in the model's dtype keep their keys
+            fields["kv_bits"] = spec.kv_bits
+        if spec.memory is not None:
+            fields["memory"] = spec.memory
         if ratio is not None:
             fields["compression_ratio"] = ratio
         if task.family == "perplexity":  # rows scored on another span are other rows
@@ -615,8 +614,8 @@ class Runner:
             "method": spec.name,
             "label": spec.label,
             "options": dict(spec.options),
-            "kv_bits": getattr(spec, "kv_bits", None) or 16,
-            "memory": getattr(spec, "memory", None),
+            "kv_bits": spec.kv_bits or 16,
+            "memory": spec.memory,
             "budget": budget if ratio is None else entries,
             "compression_ratio": ratio,
             "mode": "agnostic" if self.config.compress_context_only else "aware",

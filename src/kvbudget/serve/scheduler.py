@@ -410,8 +410,8 @@ class Scheduler:
             "total_tokens": len(seq.prompt_ids) + len(seq.generated),
             "kvbudget": {
                 "method": comp.method, "budget": comp.budget, "ratio": comp.ratio,
-                "kv_bits": comp.kv_bits or 16, "memory": comp.memory, "reused_tokens": seq.reused_tokens,
-                "kept_entries": kept,
+                "kv_bits": comp.kv_bits or (None if comp.memory is not None else 16), "memory": comp.memory,
+                "reused_tokens": seq.reused_tokens, "kept_entries": kept,
                 "kv_bytes": cache.physical_bytes() if cache else 0,
             },
         }  # fmt: skip

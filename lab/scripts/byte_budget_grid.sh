@@ -1,0 +1,39 @@
+#!/bin/bash
+# The equal-bytes grid (issue: one byte budget), resumable: byte budgets (memory=, two precisions chosen
+# per head) against eviction alone at the same bytes, the rule in docs/leaderboard.md ("Equal bytes")
+# written before these rows. qwen2.5-coder-0.5b (4-bit GGUF dequantized to bf16) at 2K tokens.
+#
+#     KVBUDGET_LOCK=/tmp/kvb-torch.lock nohup bash lab/scripts/byte_budget_grid.sh >> runs/bytes-grid.log 2>&1 &
+#     .venv/bin/python lab/scripts/equal_bytes_plot.py ...   (the table and plot: docs/leaderboard.md)
+#
+# Headline rows first (the family), then the exploratory points of the plot.
+set -u
+PY=${PY:-.venv/bin/python}
+RUN="$PY lab/scripts/leaderboard_run.py"
+SC=lab/results/shared-context-agnostic
+AWARE=lab/results/equal-bytes
+AGNOSTIC=lab/results/equal-bytes-agnostic
+SC_TASKS=sc_keys,sc_code,sc_vt
+CORE=needle,niah_single_2,niah_multikey_1,niah_multikey_2,vt,lcc
+step() {
+  echo "=== $(date -u +%FT%TZ) $1"
+  shift
+  "$@" || echo "=== step failed (exit $?): $*"
+}
+# the leaderboard's rows of the same samples (same keys): nothing measured twice
+step "seed aware" $PY lab/scripts/seed_rows.py lab/results/leaderboard $AWARE --labels full,snapkv \
+  --ratios 0.875 --tasks $CORE
+step "seed agnostic" $PY lab/scripts/seed_rows.py lab/results/leaderboard-agnostic $AGNOSTIC \
+  --labels full,snapkv,kvzip,expected-attention --ratios 0.875 --tasks $CORE
+# 1. the shared-context family: M:memory=0.125 against M at r = 0.875, later turns, 20 samples a task
+step "sc headline" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.875 \
+  --methods full,snapkv,expected-attention,kvzip,snapkv:memory=0.125,expected-attention:memory=0.125,kvzip:memory=0.125
+# 2. the leaderboard's core tasks, one question: question-aware SnapKV, question-agnostic KVzip and
+# Expected Attention
+step "core aware" $RUN $AWARE --tasks $CORE --compression-ratios 0.875 --methods full,snapkv,snapkv:memory=0.125
+step "core agnostic" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.875 \
+  --methods full,expected-attention,kvzip,expected-attention:memory=0.125,kvzip:memory=0.125
+# 3. exploratory points: quantization alone, eviction + 4 bits, a smaller byte budget
+step "sc points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
+  --methods full:kv_bits=4,full:kv_bits=2,kvzip:kv_bits=4,expected-attention:kv_bits=4,kvzip:memory=0.0625,expected-attention:memory=0.0625
+echo "=== $(date -u +%FT%TZ) grid done"

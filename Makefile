@@ -88,18 +88,26 @@ ov-model: ov install
 	{ read hf ir; test -f $$ir/openvino_model.xml || $(OV_VENV)/bin/optimum-cli export openvino --model $$hf \
 	  --task text-generation-with-past --weight-format fp16 $$ir; }
 
-# llama.cpp through llama-cpp-python, built here from its source distribution with this machine's
-# compilers (CPU only), in an environment of its own: what a CPU user would run instead, serving the
-# same GGUF file with its KV cache at q8_0 / q4_0 (the byte budget's serving comparison).
-LLAMA_VENV := .venv-llama
-LLAMA_REQUIREMENTS := llama-cpp-python==0.3.36
+# llama.cpp's own server (`llama-server`), built here from the source llama-cpp-python's sdist carries
+# (CPU only, this machine's compilers; about 40 minutes on 2 cores): what a CPU user would run
+# instead, serving the same GGUF file with its KV cache at f16 / q8_0 / q4_0 (`kvbudget bench serve
+# --llama-server .llama/bin/llama-server`, the byte budget's serving comparison).
+LLAMA_DIR := .llama
+LLAMA_SDIST := llama-cpp-python==0.3.36
+LLAMA_CMAKE := -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF
 
-llama: $(LLAMA_VENV)/.installed
+llama: $(LLAMA_DIR)/bin/llama-server
 
-$(LLAMA_VENV)/.installed: Makefile
-	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
-	$(LLAMA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMA_VENV)/bin/python -m pip install --quiet --no-binary llama-cpp-python \
-		$(LLAMA_REQUIREMENTS)
-	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
-	touch $@
+$(LLAMA_DIR)/src/CMakeLists.txt: | $(VENV)/.installed
+	rm -rf $(LLAMA_DIR)/sdist && mkdir -p $(LLAMA_DIR)/sdist
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: $(LLAMA_SDIST) -d $(LLAMA_DIR)/sdist
+	tar xzf $(LLAMA_DIR)/sdist/*.tar.gz -C $(LLAMA_DIR)/sdist
+	rm -rf $(LLAMA_DIR)/src && mv $(LLAMA_DIR)/sdist/llama_cpp_python-*/vendor/llama.cpp $(LLAMA_DIR)/src
+	rm -rf $(LLAMA_DIR)/sdist
+
+$(LLAMA_DIR)/bin/llama-server: $(LLAMA_DIR)/src/CMakeLists.txt
+	cmake -S $(LLAMA_DIR)/src -B $(LLAMA_DIR)/build $(LLAMA_CMAKE)
+	cmake --build $(LLAMA_DIR)/build --target llama-server -j 2
+	mkdir -p $(LLAMA_DIR)/bin && cp $(LLAMA_DIR)/build/bin/llama-server $@
+	$@ --version

@@ -68,3 +68,42 @@ def test_bench_serve_cli_refuses_what_cannot_run_in_one_line(tmp_path) -> None:
                                    str(tmp_path / "b")])  # fmt: skip
         assert cuda.exit_code != 0 and "CUDA is not available" in cuda.output
         assert len(cuda.output.strip().splitlines()) == 1
+
+
+def test_bench_serve_takes_stored_precisions_and_byte_budgets(tmp_path) -> None:
+    """``full:kv_bits=4`` stores the whole cache at 4 bits, ``NAME:memory=f`` is a byte budget: both
+    served under the cap, labelled as the server labels them."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    config = ServeBenchConfig(
+        model="tiny", dtype="float32", task="needle", length=400,
+        methods=["full", "full:kv_bits=4", "snapkv:window=8,memory=0.25"], ratio=0.875, clients=2,
+        requests=2, max_tokens=4, time_limit_s=300,
+    )  # fmt: skip
+    report = run_serve_bench(config, tmp_path, model=model, tokenizer=tokenizer, progress=lambda _: None)
+    full, four_bit, byte_budget = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert [r["answered"] for r in (full, four_bit, byte_budget)] == [2, 2, 2]
+    assert (
+        four_bit["compression"] == "full, 4-bit"
+        and byte_budget["compression"] == "snapkv:window=8 (memory=0.25)"
+    )
+    assert four_bit["peak_kv_bytes"] < full["peak_kv_bytes"]
+    assert "| full, 4-bit |" in report.read_text()
+
+
+def test_bench_serve_refuses_bad_specs_and_a_missing_llama_server_in_one_line(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from kvbudget.cli import app
+
+    source = str(config_only_model(tmp_path / "tiny"))
+    runner = CliRunner()
+    for extra, message in (
+        (["--methods", "snapkv:kv_bits=3"], "kv_bits must be one of 2, 4, 8 or 16"),
+        (["--llama-server", str(tmp_path / "none")], "no llama-server at"),
+        (["--llama-server", sys.executable, "--llama-cache-types", "q5_1"], "takes f16, q8_0, q4_0"),
+    ):
+        result = runner.invoke(
+            app, ["bench", "serve", "--model", source, "--out", str(tmp_path / "o"), *extra]
+        )
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1

@@ -22,6 +22,15 @@ With ``openvino_python`` (``.venv-ov``'s Python, ``make ov``) the same prompts a
 OpenVINO GenAI's continuous-batching pipeline (:mod:`kvbudget.peer.openvino`) with its KV pool set
 to the cap, once with the full cache and once with its cache eviction sized to keep the fraction
 of the prompt the compressed methods keep: rows "openvino (full)" and "openvino (eviction)".
+
+With ``llama_server`` (llama.cpp's ``llama-server``, ``make llama``) the same prompts also run through
+llama.cpp serving the model's GGUF file, once per cache type of ``llama_cache_types`` (f16, q8_0,
+q4_0), with as many slots as the cap holds at that type (:mod:`kvbudget.peer.llama_cpp`): rows
+"llama.cpp (q4_0)" and so on.
+
+A method is a spec as the evaluation takes it: ``snapkv``, ``full:kv_bits=4`` (the full cache stored
+at 4 bits), ``snapkv:kv_bits=4`` (at the ratio, stored at 4 bits), ``snapkv:memory=0.125`` (a byte
+budget: 12.5% of the full cache's bytes, no ratio).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from urllib.parse import urlparse
 from kvbudget.engine import build_prompt
 from kvbudget.errors import InputError
 from kvbudget.eval.tasks import get_task
+from kvbudget.methods.spec import MethodSpec
 from kvbudget.prefill.common import eos_ids
 from kvbudget.serve.app import create_app, prometheus_metrics, serving
 from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
@@ -70,6 +80,9 @@ class ServeBenchConfig:
     openvino_model: str | None = None
     device: str = "cpu"
     random_weights: bool = False
+    llama_server: str | None = None
+    llama_cache_types: list[str] = field(default_factory=lambda: ["f16", "q8_0", "q4_0"])
+    llama_threads: int = 2
 
 
 class _Counting(Metrics):
@@ -136,7 +149,7 @@ def run_one(
     model, tokenizer, config: ServeBenchConfig, method: str, cap: int, samples: list, task
 ) -> dict[str, Any]:
     """One method under the cap: its scheduler and server, the clients, the row."""
-    compression = Compression("full") if method == "full" else Compression(method, ratio=1.0 - config.ratio)
+    compression = compression_of(method, config.ratio)
     registry, prometheus = prometheus_metrics()
     counting = _Counting(prometheus)
     scheduler = Scheduler(model, tokenizer, cap, compression, max_queue=max(64, config.requests),
@@ -189,6 +202,19 @@ def run_one(
     }  # fmt: skip
 
 
+def compression_of(method: str, ratio: float) -> Compression:
+    """A bench method spec as the server's :class:`Compression`: ``full`` keeps everything, a byte
+    budget (``:memory=f``) has no ratio, any other method runs at kvpress ``ratio``; ``:kv_bits=b``
+    stores what is kept at ``b`` bits."""
+    spec = MethodSpec.parse(method)
+    name = MethodSpec(spec.name, spec.options).label
+    if spec.memory is not None:
+        return Compression(name, memory=spec.memory)
+    if spec.name == "full":
+        return Compression(name, kv_bits=spec.kv_bits)
+    return Compression(name, ratio=1.0 - ratio, kv_bits=spec.kv_bits)
+
+
 def default_cap(model, tokenizer, config: ServeBenchConfig, samples: list) -> int:
     """KV bytes two full-cache conversations of the longest prompt need at their peak."""
     longest = max(
@@ -211,6 +237,18 @@ def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=N
         from kvbudget.peer.openvino import check_environment
 
         check_environment(config.openvino_python, _openvino_ir_dir(config), config.model)
+    if config.llama_server:
+        if config.random_weights:
+            raise InputError(
+                "--random-weights with --llama-server: llama.cpp's model has the real weights; run one"
+            )
+        from kvbudget.peer.llama_cpp import check_binary, check_cache_types
+
+        check_binary(config.llama_server)
+        check_cache_types(config.llama_cache_types)
+        _gguf(config.model)
+    for method in config.methods:
+        compression_of(method, config.ratio)  # a bad spec fails before the model loads
     task = get_task(config.task)
     if model is None:
         from kvbudget.models import load_model
@@ -231,6 +269,8 @@ def run_serve_bench(config: ServeBenchConfig, out: Path, model=None, tokenizer=N
     if config.openvino_python:
         progress(f"bench serve: OpenVINO GenAI (full, eviction) under a cap of {format_bytes(cap)}")
         rows.extend(run_openvino(model, tokenizer, config, cap, samples, task, out))
+    if config.llama_server:
+        rows.extend(run_llama(model, tokenizer, config, cap, samples, task, out, progress))
     (out / "serve.json").write_text(
         json.dumps({"config": asdict(config), "cap_bytes": cap, "rows": rows}, indent=1)
     )
@@ -262,6 +302,85 @@ def run_openvino(
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     return openvino_rows(document, answers, decode, task.metric)
+
+
+def _gguf(model_name: str) -> Path:
+    """The registry model's GGUF file (what llama.cpp serves), or a one-line error."""
+    from kvbudget.models import MODELS, model_dir
+
+    if model_name not in MODELS:
+        raise InputError(f"--llama-server serves a registry model's GGUF file; {model_name} is not one")
+    path = model_dir(model_name) / MODELS[model_name].gguf_filename
+    if not path.is_file():
+        raise InputError(f"no GGUF file at {path}: run `kvbudget fetch model {model_name}` first")
+    return path
+
+
+def run_llama(
+    model, tokenizer, config: ServeBenchConfig, cap: int, samples: list, task, out: Path, progress=print
+) -> list[dict[str, Any]]:
+    """The same prompts (token ids, answer lengths) through ``llama-server``, once per cache type,
+    as many slots as the cap holds at that type: its rows."""
+    from kvbudget.peer import llama_cpp
+
+    binary, gguf = llama_cpp.check_binary(config.llama_server), _gguf(config.model)
+    prompts = []
+    for i, s in enumerate(samples):
+        ids = build_prompt(tokenizer, s.context, s.question, s.answer_prefix).ids
+        new_tokens = config.max_tokens or s.max_new_tokens
+        prompts.append({"id": i, "input_ids": list(ids), "max_new_tokens": new_tokens,
+                        "ignore_eos": config.ignore_eos})  # fmt: skip
+    longest = max(len(p["input_ids"]) + p["max_new_tokens"] for p in prompts)
+    build = llama_cpp.version(binary)
+    answers = {i: s.answers for i, s in enumerate(samples)}
+    rows = []
+    for cache_type in config.llama_cache_types:
+        per_token = llama_cpp.token_bytes(model.config, cache_type)
+        plan = llama_cpp.plan_slots(cap, longest, per_token, config.clients, cache_type)
+        progress(f"bench serve: llama.cpp ({cache_type}), {plan.slots} slots of {plan.slot_tokens} tokens "
+                 f"({format_bytes(plan.kv_bytes)}) under a cap of {format_bytes(cap)}")  # fmt: skip
+        run = llama_cpp.run_server(
+            binary, gguf, plan, prompts, clients=config.clients, threads=config.llama_threads,
+            log=out / f"llama-{cache_type}.log", timeout_s=config.time_limit_s,
+        )  # fmt: skip
+        rows.append(
+            llama_row(run, plan, cap, answers, task.metric, f"{build}, {gguf.name}", config.llama_threads)
+        )
+    return rows
+
+
+def llama_row(
+    run: dict[str, Any],
+    plan,
+    cap: int,
+    answers: dict[int, list[str]],
+    metric: Callable[[str, list[str]], float],
+    served: str,
+    threads: int,
+) -> dict[str, Any]:
+    """The row of one ``llama-server`` run (:func:`kvbudget.peer.llama_cpp.run_server`) of ``plan``
+    (a :class:`~kvbudget.peer.llama_cpp.SlotPlan`): a request that failed is an error, not an
+    answer; llama.cpp allocates the plan's KV up front, which is its peak; ``served`` names the build
+    and the GGUF file."""
+    done = [r for r in run["requests"] if "error" not in r]
+    scores = [float(metric(r["text"], answers[r["id"]])) for r in done]
+    ttft = [r["ttft_s"] for r in done if r.get("ttft_s") is not None]
+    tpot = [r["tpot_s"] for r in done if r.get("tpot_s") is not None]
+    tokens, wall = sum(len(r["token_ids"]) for r in done), run["wall_s"]
+    kind = plan.cache_type
+    return {
+        "method": f"llama.cpp:{kind}", "compression": f"llama.cpp ({kind})", "cap_bytes": cap,
+        "answered": len(done), "errors": [r["error"] for r in run["requests"] if "error" in r][:5],
+        "held_at_once": run["held_at_once"], "peak_kv_bytes": plan.kv_bytes, "tokens": tokens,
+        "wall_s": wall, "tokens_per_s": tokens / wall if wall else None, "decode_tokens_per_s": None,
+        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+        "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
+        "accuracy": statistics.fmean(scores) if scores else None,
+        "note": (f"llama.cpp ({kind}): llama-server {served} as it is (its 4-bit weights, not "
+                 f"dequantized), {plan.slots} slots of {plan.slot_tokens} tokens, KV {kind} allocated up "
+                 f"front ({format_bytes(plan.kv_bytes)}), flash attention on, prompt cache off, "
+                 f"{threads} threads."),
+    }  # fmt: skip
 
 
 def _openvino_ir_dir(config: ServeBenchConfig) -> Path | None:

@@ -181,6 +181,17 @@ def bench_serve(
         Path | None,
         typer.Option(help="OpenVINO IR folder of the model (default: the registry model's `openvino/`)."),
     ] = None,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(
+            help="llama.cpp's server (`make llama`, .llama/bin/llama-server): adds a row per "
+            "--llama-cache-types, the same prompts served from the model's GGUF file with as many slots "
+            "as the cap holds."
+        ),
+    ] = None,
+    llama_cache_types: Annotated[
+        str, typer.Option(help="llama.cpp KV cache types, comma-separated: f16, q8_0, q4_0.")
+    ] = "f16,q8_0,q4_0",
     device: DeviceOption = "cpu",
     random_weights: Annotated[
         bool,
@@ -232,7 +243,8 @@ def bench_serve(
         max_tokens=max_tokens, ignore_eos=ignore_eos, time_limit_s=time_limit,
         openvino_python=str(openvino) if openvino else None,
         openvino_model=str(openvino_model) if openvino_model else None, device=device,
-        random_weights=random_weights,
+        random_weights=random_weights, llama_server=str(llama_server) if llama_server else None,
+        llama_cache_types=split_values(llama_cache_types) or [],
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())

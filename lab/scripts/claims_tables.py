@@ -6,6 +6,7 @@
         [--agnostic lab/results/leaderboard-agnostic] [--ea-floor lab/results/ea-kvpress]
         [--d2o-longgen lab/results/claims-d2o-longgen]
         [--shared-context lab/results/shared-context] [--shared-context-agnostic DIR]
+        [--equal-bytes lab/results/equal-bytes] [--equal-bytes-agnostic DIR]
 
 Without --update it prints every table in its ``<!-- claims:NAME -->`` block; with it, it rewrites
 those blocks in the file.
@@ -43,6 +44,7 @@ from claims.common import (  # noqa: E402
     paired_on_finished_tasks,
 )
 from claims.document import update  # noqa: E402
+from claims.equal_bytes import equal_bytes_blocks  # noqa: E402
 from claims.leaderboard import (  # noqa: E402
     best_against_kvpress,
     best_alone,
@@ -69,7 +71,8 @@ __all__ = [
     "BEYOND_BUDGET", "COMPACTOR_DRAW_PAIRS", "CORE", "EVERY_RATIO", "FAMILIES", "MIN_SAMPLES",
     "SAME_METHOD_PAIRS", "SCREEN_COUNTERPARTS", "SCREEN_RATIO", "Comparison", "Family", "agnostic_blocks",
     "best_against_kvpress", "best_alone", "best_cell", "best_label", "best_pair", "blocks", "check_block",
-    "complete_tasks", "difference_cell", "family_verdict", "has_results", "leaderboard_table",
+    "complete_tasks", "difference_cell", "equal_bytes_blocks", "family_verdict", "has_results",
+    "leaderboard_table",
     "machine_time", "main", "mean_over_tasks", "name_tuned_profiles", "paired_on_finished_tasks",
     "pairs_table", "same_answers", "screen_rows", "screen_table", "shared_context_blocks", "tracks_table",
     "update", "verdicts_table",
@@ -92,6 +95,8 @@ def main() -> None:
     parser.add_argument(
         "--shared-context-agnostic", type=Path, default=Path("lab/results/shared-context-agnostic")
     )
+    parser.add_argument("--equal-bytes", type=Path, default=Path("lab/results/equal-bytes"))
+    parser.add_argument("--equal-bytes-agnostic", type=Path, default=Path("lab/results/equal-bytes-agnostic"))
     parser.add_argument(
         "--update", type=Path, action="append", default=None,
         help="rewrite the tables of this file (repeatable: docs/claims.md, docs/leaderboard-analysis.md)",
@@ -99,6 +104,9 @@ def main() -> None:
     args = parser.parse_args()
     tables = blocks(args)
     tables.update(shared_context_blocks(args.shared_context_agnostic, args.shared_context))
+    tables.update(
+        equal_bytes_blocks(args.shared_context_agnostic, args.equal_bytes, args.equal_bytes_agnostic)
+    )
     if args.update is not None:
         for path in args.update:
             print(f"{path}: " + ", ".join(update(path, tables)))

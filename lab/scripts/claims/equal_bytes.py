@@ -1,0 +1,135 @@
+"""docs/leaderboard.md's equal-bytes block: byte budgets against eviction alone at the same entries'
+share, by the rule written before the 20-sample rows (docs/leaderboard.md, "Equal bytes").
+
+Each comparison is ``M:memory=0.125 − M`` at r = 0.875 (bf16), paired per sample: later turns (turns
+2–4) in one mode for the shared-context family, the score for the one-question families; each
+task's mean difference, then the mean over tasks, with a simultaneous 95% interval (Bonferroni over
+the family: each interval at ``1 − 0.05 / m``). **ahead** when the interval lies above 0, **behind**
+when below, **level** otherwise. A comparison is shown once every task it covers has the same
+samples on both sides (the most any task has); until then "running". Bytes: each row's
+``physical_bytes`` over its sample's full bf16 cache's ``logical_bytes`` (the question's tail
+included on both sides), the mean over tasks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbudget.eval.intervals import bootstrap_mean_over_groups
+from kvbudget.eval.store import load_rows
+from kvbudget.eval.turns_report import is_conversation, later_turns
+
+from .common import has_results
+
+LEVEL = 0.05
+MEMORY = 0.125
+RATIO = 0.875
+SC_TASKS = ("sc_keys", "sc_code", "sc_vt")
+CORE = ("needle", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "vt", "lcc")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of the rule: its methods, tasks and modes (``None``: one-question rows)."""
+
+    name: str
+    methods: tuple[str, ...]
+    tasks: tuple[str, ...]
+    modes: tuple[str | None, ...]
+
+
+FAMILIES = (
+    Family("shared context, question-agnostic", ("kvzip", "expected-attention", "snapkv"), SC_TASKS,
+           ("multi-turn", "multi-request")),
+    Family("one question, question-agnostic", ("kvzip", "expected-attention"), CORE, (None,)),
+    Family("one question, question-aware", ("snapkv",), CORE, (None,)),
+)  # fmt: skip
+
+
+def verdict(low: float, high: float) -> str:
+    """The rule's verdict for a difference's interval ``[low, high]``."""
+    if low > 0:
+        return "ahead"
+    if high < 0:
+        return "behind"
+    return "level"
+
+
+def _value(mode: str | None) -> Callable[[dict], float]:
+    return later_turns if mode is not None else (lambda r: r["score"])
+
+
+def _by_sample(rows: list[dict], wanted: Callable[[dict], bool]) -> dict[tuple[str, int], dict]:
+    return {(r["task"], r["sample"]): r for r in rows if wanted(r)}
+
+
+def comparison(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...], level: float):
+    """(difference interval, byte budget's score, eviction's score, their bytes shares, tasks, n) for
+    ``method`` in ``mode``, or ``None`` while a task is incomplete."""
+    here = [r for r in rows if r["task"] in tasks and r.get("error") is None]
+    if mode is not None:
+        here = [r for r in here if is_conversation(r) and r["conversation"] == mode]
+    full = _by_sample(here, lambda r: r["label"] == "full")
+    budget = _by_sample(here, lambda r: r["label"] == f"{method}:memory={MEMORY:g}")
+    evict = _by_sample(here, lambda r: r["label"] == method and r.get("compression_ratio") == RATIO)
+    value = _value(mode)
+    per_task: dict[str, list[tuple[dict, dict, dict]]] = defaultdict(list)
+    for key in sorted(set(budget) & set(evict) & set(full)):
+        per_task[key[0]].append((budget[key], evict[key], full[key]))
+    samples = {t: len({s for (task, s) in full if task == t}) for t in tasks}
+    if not per_task or any(len(per_task.get(t, ())) < samples[t] or samples[t] == 0 for t in tasks):
+        return None
+    groups = [[value(b) - value(e) for b, e, _ in per_task[t]] for t in tasks]
+    interval = bootstrap_mean_over_groups(groups, level=level)
+
+    def over_tasks(pick: Callable[[tuple[dict, dict, dict]], float]) -> float:
+        return sum(sum(map(pick, per_task[t])) / len(per_task[t]) for t in tasks) / len(tasks)
+
+    return (
+        interval,
+        over_tasks(lambda p: value(p[0])),
+        over_tasks(lambda p: value(p[1])),
+        over_tasks(lambda p: p[0]["physical_bytes"] / p[2]["logical_bytes"]),
+        over_tasks(lambda p: p[1]["physical_bytes"] / p[2]["logical_bytes"]),
+        len(tasks),
+        min(samples.values()),
+    )
+
+
+def equal_bytes_table(sc_rows: list[dict], aware_rows: list[dict], agnostic_rows: list[dict]) -> list[str]:
+    """The block's lines: one row per comparison of each family, its verdict by the rule."""
+    sources = {FAMILIES[0].name: sc_rows, FAMILIES[1].name: agnostic_rows, FAMILIES[2].name: aware_rows}
+    lines = [
+        "| family | method | mode | byte budget: score, bytes % | eviction r = 0.875: score, bytes % "
+        "| budget − eviction [simultaneous 95% CI] | verdict | tasks × n |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        m = len(family.methods) * len(family.modes)
+        for method in family.methods:
+            for mode in family.modes:
+                found = comparison(sources[family.name], method, mode, family.tasks, 1 - LEVEL / m)
+                where = mode or "one question"
+                if found is None:
+                    lines.append(f"| {family.name} | {method} | {where} | running | | | | |")
+                    continue
+                d, a, b, a_bytes, b_bytes, n_tasks, n = found
+                lines.append(
+                    f"| {family.name} | {method} | {where} | {100 * a:.1f}, {100 * a_bytes:.1f}% "
+                    f"| {100 * b:.1f}, {100 * b_bytes:.1f}% "
+                    f"| {100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] "
+                    f"| {verdict(d.low, d.high)} | {n_tasks} × {n} |"
+                )
+    return lines
+
+
+def equal_bytes_blocks(sc: Path, aware: Path, agnostic: Path) -> dict[str, list[str]]:
+    """The ``equal-bytes`` block from its three folders."""
+
+    def rows(folder: Path) -> list[dict]:
+        return load_rows(folder / "results.jsonl") if has_results(folder) else []
+
+    return {"equal-bytes": equal_bytes_table(rows(sc), rows(aware), rows(agnostic))}

@@ -41,7 +41,16 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("artifacts", ["kvbudget.artifacts", "kvbudget.profile_prompts"]),
     ("models and data", ["kvbudget.models", "kvbudget.data"]),
     ("quantization", ["kvbudget.quantization", "kvbudget.quantized_store"]),
-    ("cache", ["kvbudget.cache", "kvbudget.static_cache", "kvbudget.joined_cache", "kvbudget.byte_budget"]),
+    (
+        "cache",
+        [
+            "kvbudget.cache",
+            "kvbudget.static_cache",
+            "kvbudget.joined_cache",
+            "kvbudget.byte_budget",
+            "kvbudget.shared_prefix",
+        ],
+    ),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),
     ("observation", ["kvbudget.observation"]),

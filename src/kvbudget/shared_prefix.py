@@ -10,7 +10,8 @@ copy of the document's cache (``tests/test_shared_prefix.py``). The document's e
 once, by whoever holds the document: a :class:`SharedHead`'s ``nbytes`` is its own entries'.
 
 A conversation's own entries are stored as the document's are: at its ``kv_bits`` (a
-:class:`~kvbudget.quantized_store.QuantizedHead` filling its full-precision tail) or in the model's
+:class:`~kvbudget.quantized_store.QuantizedHead` that starts with a copy of the document's
+full-precision tail, under one key group, so its groups fill as in one cache) or in the model's
 dtype (:class:`PlainHead`). An eviction or a merge that touches the prefix's entries makes them the
 conversation's own (copied, counted in its bytes); the document is never written.
 
@@ -28,7 +29,7 @@ import torch
 
 from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import KVBudgetError
-from kvbudget.quantized_store import GROUP, QuantizedHead
+from kvbudget.quantized_store import GROUP, QuantizedHead, TieredHead
 
 
 @dataclass(frozen=True)
@@ -217,17 +218,16 @@ def _prefix_store(layer: BudgetLayer, h: int) -> Any:
     return PlainHead(keys, values)
 
 
-def _empty_own(prefix: Any, kv_bits: int | None, group: int) -> Any:
-    """No entries yet, stored as the document's appended tokens would be."""
-    like = (
-        (prefix.keys, prefix.values)
-        if isinstance(prefix, PlainHead)
-        else (prefix.tail_keys, prefix.tail_values)
-    )
-    keys, values = like[0][:, :0], like[1][:, :0]
-    if isinstance(prefix, PlainHead) or kv_bits is None:
-        return PlainHead(keys.clone(), values.clone(), group)
-    return QuantizedHead.empty_like(keys.clone(), values.clone(), kv_bits, group)
+def _split(head: Any) -> tuple[Any, Any]:
+    """A document's head store as (the shared prefix, the conversation's first own store). A
+    quantized store's full-precision tail (its last, unfilled key group) is copied into the
+    conversation's store, so the tokens it appends fill that group as they would in one cache."""
+    if isinstance(head, PlainHead):
+        return head, PlainHead(head.keys[:, :0].clone(), head.values[:, :0].clone(), head.group)
+    low = head.low if isinstance(head, TieredHead) else head
+    own = QuantizedHead.empty_like(low.tail_keys.clone(), low.tail_values.clone(), low.bits, low.group)
+    low = replace(low, tail_keys=low.tail_keys[:, :0], tail_values=low.tail_values[:, :0])
+    return (TieredHead(head.high, low) if isinstance(head, TieredHead) else low), own
 
 
 def share(document: BudgetCache) -> BudgetCache:
@@ -246,12 +246,11 @@ def share(document: BudgetCache) -> BudgetCache:
     for mine, theirs in zip(out.layers, document.layers, strict=True):
         if not theirs.is_initialized:
             continue
-        heads = [_prefix_store(theirs, h) for h in range(theirs.num_heads)]
-        bits = document.kv_bits if theirs.quant is not None else None
+        heads = [_split(_prefix_store(theirs, h)) for h in range(theirs.num_heads)]
         for name, value in vars(theirs).items():
             if name in ("quant", "keys", "values", "_keys", "_values", "_head_keys", "_head_values",
                         "_storage", "_head_storage"):  # fmt: skip
                 continue
             setattr(mine, name, copy.deepcopy(value))
-        mine.install_quantized([SharedHead(head, _empty_own(head, bits, document.group)) for head in heads])
+        mine.install_quantized([SharedHead(prefix, own) for prefix, own in heads])
     return out

@@ -49,7 +49,6 @@ from urllib.parse import urlparse
 from kvbudget.engine import build_prompt
 from kvbudget.errors import InputError
 from kvbudget.eval.tasks import get_task
-from kvbudget.methods.spec import MethodSpec
 from kvbudget.prefill.common import eos_ids
 from kvbudget.serve.app import create_app, prometheus_metrics, serving
 from kvbudget.serve.batcher import Compression, make_sequence, prefill_peak_bytes
@@ -206,13 +205,7 @@ def compression_of(method: str, ratio: float) -> Compression:
     """A bench method spec as the server's :class:`Compression`: ``full`` keeps everything, a byte
     budget (``:memory=f``) has no ratio, any other method runs at kvpress ``ratio``; ``:kv_bits=b``
     stores what is kept at ``b`` bits."""
-    spec = MethodSpec.parse(method)
-    name = MethodSpec(spec.name, spec.options).label
-    if spec.memory is not None:
-        return Compression(name, memory=spec.memory)
-    if spec.name == "full":
-        return Compression(name, kv_bits=spec.kv_bits)
-    return Compression(name, ratio=1.0 - ratio, kv_bits=spec.kv_bits)
+    return Compression.from_spec(method, ratio=1.0 - ratio)
 
 
 def default_cap(model, tokenizer, config: ServeBenchConfig, samples: list) -> int:

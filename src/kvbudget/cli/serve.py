@@ -34,6 +34,14 @@ def serve(
             "bytes a prompt's cache may take, in (0, 1]."
         ),
     ] = None,
+    document_method: Annotated[
+        str,
+        typer.Option(
+            help="How a shared document (POST /v1/kvbudget/documents) is compressed when its creator names "
+            "no method: a spec with its size (`kvzip:memory=0.125`, a byte budget; `kvzip:kv_bits=4` keeps "
+            "half, at 4 bits)."
+        ),
+    ] = "kvzip:memory=0.125",
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",
@@ -99,9 +107,17 @@ def serve(
     check.model_source(model)
     default = Compression(method, budget, ratio, bits, memory)
     MethodSpec.parse(method)  # a bad method fails before the model loads
+    document_default = Compression.from_spec(document_method, ratio=0.5)
+    from kvbudget.phases import Stage
+
+    if Stage.DECODE in MethodSpec.parse(document_method).build().stages:
+        raise InputError(f"--document-method {document_method} compresses while decoding: a shared "
+                         "document's method must compress the prompt only")  # fmt: skip
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     registry, metrics = prometheus_metrics()
-    scheduler = Scheduler(lm, tokenizer, cap, default, max_queue=max_queue, metrics=metrics)
+    scheduler = Scheduler(
+        lm, tokenizer, cap, default, max_queue=max_queue, metrics=metrics, document_default=document_default
+    )
     name = served_name or model
     logging.config.dictConfig(log_config(log_level))  # the line below in the server's format too
     log.info("serving %s on http://%s:%s/v1 — default %s, KV cap %s", name, host, port, default.label(),

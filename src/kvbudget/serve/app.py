@@ -7,7 +7,9 @@ and answered whole or streamed as server-sent events ending in ``data: [DONE]``.
 disconnects cancels its request; the worker frees its cache before the next step.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text). With an API key, every ``/v1`` route and ``/metrics`` need
+``GET /metrics`` (Prometheus text), and the shared documents (:mod:`kvbudget.serve.documents`):
+``POST``/``GET /v1/kvbudget/documents``, ``GET``/``DELETE /v1/kvbudget/documents/{id}``.
+With an API key, every ``/v1`` route and ``/metrics`` need
 ``Authorization: Bearer KEY`` (else 401, as OpenAI-compatible servers answer).
 """
 
@@ -27,12 +29,14 @@ from typing import Any
 
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.extras import needs_extra
+from kvbudget.serve.documents import DocumentNotFound
 from kvbudget.serve.logs import access_line, access_log, log, quote
 from kvbudget.serve.openai_api import (
     APIError,
     Request,
     chunk_body,
     completion_body,
+    parse_document_request,
     parse_request,
     response_id,
     usage_chunk,
@@ -110,6 +114,8 @@ def create_app(
             "kv_bytes_reserved": "KV cache bytes reserved by admitted sequences and kept turns",
             "kv_bytes_cap": "The server's KV cache memory cap",
             "kept_turns": "Finished turns kept for follow-ups",
+            "documents": "Shared documents (POST /v1/kvbudget/documents)",
+            "kv_bytes_documents": "KV cache bytes of the shared documents, each counted once",
         }.items()
     }  # fmt: skip
     counters = Counters(
@@ -155,7 +161,8 @@ def create_app(
         stats = scheduler.stats()
         for name, key in (("active_sequences", "active"), ("queued_requests", "queued"),
                           ("kv_bytes_held", "held_bytes"), ("kv_bytes_reserved", "reserved_bytes"),
-                          ("kv_bytes_cap", "cap_bytes"), ("kept_turns", "kept_turns")):  # fmt: skip
+                          ("kv_bytes_cap", "cap_bytes"), ("kept_turns", "kept_turns"),
+                          ("documents", "documents"), ("kv_bytes_documents", "document_bytes")):  # fmt: skip
             gauges[name].set(stats[key])
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -172,16 +179,62 @@ def create_app(
                 temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed, stop=parsed.stop,
                 ignore_eos=parsed.ignore_eos, request_id=rid,
             )  # fmt: skip
-        except QueueFull as exc:
-            raise APIError(429, str(exc), None, "queue_full", "rate_limit_error") from None
-        except TooLarge as exc:
-            raise APIError(400, str(exc), None, "over_memory_cap") from None
-        except InputError as exc:
-            code = "context_length_exceeded" if "context" in str(exc) else None
-            raise APIError(400, str(exc), None, code) from None
-        except KVBudgetError as exc:
-            raise APIError(400, str(exc), "kvbudget") from None
+        except Exception as exc:  # noqa: BLE001 - each kind is one line with its status
+            raise submit_error(exc) from None
         return job, events
+
+    def submit_error(exc: Exception) -> APIError:
+        if isinstance(exc, QueueFull):
+            return APIError(429, str(exc), None, "queue_full", "rate_limit_error")
+        if isinstance(exc, DocumentNotFound):
+            return APIError(404, str(exc), "kvbudget.document", "document_not_found")
+        if isinstance(exc, TooLarge):
+            return APIError(400, str(exc), None, "over_memory_cap")
+        if isinstance(exc, InputError):
+            return APIError(400, str(exc), None, "context_length_exceeded" if "context" in str(exc) else None)
+        if isinstance(exc, KVBudgetError):
+            return APIError(400, str(exc), "kvbudget")
+        raise exc
+
+    async def documents(request: HTTPRequest) -> Response:
+        """``GET``: every document; ``POST``: compress one (answered when it is ready)."""
+        if not authorised(request):
+            return unauthorised()
+        if request.method == "GET":
+            return JSONResponse({"object": "list", "data": scheduler.documents()})
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            raw = await read_body(request, max_body)
+            ids, text, compression = parse_document_request(
+                raw, model_name, tokenizer, scheduler.document_default, prompt_limit
+            )
+            record(request)["prompt_tokens"] = len(ids)
+            try:
+                scheduler.submit_document(
+                    ids, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), compression, text,
+                    request_id=record(request)["id"],
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - one line with its status
+                raise submit_error(exc) from None
+        except APIError as exc:
+            return error(exc, request)
+        event = await events.get()
+        if "error" in event:
+            return error(failed(request, event))
+        return JSONResponse(event["document"])
+
+    async def document(request: HTTPRequest) -> Response:
+        """``GET``: one document; ``DELETE``: delete it (freed once no conversation reads it)."""
+        if not authorised(request):
+            return unauthorised()
+        document_id = request.path_params["document_id"]
+        try:
+            if request.method == "GET":
+                return JSONResponse(scheduler.document_info(document_id))
+            return JSONResponse(scheduler.delete_document(document_id))
+        except DocumentNotFound as exc:
+            return error(APIError(404, str(exc), "document_id", "document_not_found"), request)
 
     def finished(request: HTTPRequest, event: dict[str, Any]) -> None:
         """Note a finished answer in the request's access record and the counters."""
@@ -205,7 +258,9 @@ def create_app(
         rid = record(request)["id"]
         try:
             raw = await read_body(request, max_body)
-            parsed = parse_request(endpoint, raw, model_name, tokenizer, scheduler.default, prompt_limit)
+            parsed = parse_request(
+                endpoint, raw, model_name, tokenizer, scheduler.default, prompt_limit, scheduler.document
+            )
             record(request)["prompt_tokens"] = len(parsed.prompt_ids)
             job, events = submit(parsed, rid)
         except APIError as exc:
@@ -291,6 +346,8 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/kvbudget/documents", documents, methods=["GET", "POST"]),
+        Route("/v1/kvbudget/documents/{document_id}", document, methods=["GET", "DELETE"]),
     ]
 
     @contextlib.asynccontextmanager

@@ -49,8 +49,27 @@ class Compression:
     ratio: float | None = None
     kv_bits: int | None = None  # stored at 2, 4 or 8 bits after the prefill; None: the model's dtype
     memory: float | None = None  # a byte budget instead of budget, ratio and kv_bits
+    #: the shared document (its id) the prompt begins with: the document as it was compressed, the
+    #: request's own tokens after it kept as they are (``kvbudget.serve.documents``)
+    document: str | None = None
+
+    @classmethod
+    def from_spec(cls, spec: str, ratio: float | None = None, budget: int | None = None) -> Compression:
+        """A method spec as a compression: ``full`` (``full:kv_bits=4``) keeps everything, a byte budget
+        (``NAME:memory=f``) has no size of its own, any other method keeps ``ratio`` of the prompt
+        (the fraction kept) or ``budget`` entries per KV head; ``:kv_bits=b`` stores what is kept at
+        ``b`` bits."""
+        parsed = MethodSpec.parse(spec)
+        name = MethodSpec(parsed.name, parsed.options).label
+        if parsed.memory is not None:
+            return cls(name, memory=parsed.memory)
+        if parsed.name == "full":
+            return cls(name, kv_bits=parsed.kv_bits)
+        return cls(name, budget=budget, ratio=ratio, kv_bits=parsed.kv_bits)
 
     def label(self) -> str:
+        if self.document is not None:
+            return f"document {self.document}"
         if self.memory is not None:
             return f"{self.method} (memory={self.memory:g})"
         size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"

@@ -17,17 +17,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from kvbudget.engine import build_prompt
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.batcher import Compression
+from kvbudget.serve.documents import Document, DocumentNotFound
 from kvbudget.serve.logs import quote
-from kvbudget.serve.schema import ChatRequest, CompletionRequest, KVBudgetOptions, validation_message
+from kvbudget.serve.schema import (
+    ChatRequest,
+    CompletionRequest,
+    DocumentRequest,
+    KVBudgetOptions,
+    validation_message,
+)
 
 #: tokens of an answer when the request gives no limit
 DEFAULT_MAX_TOKENS = 256
@@ -88,10 +97,13 @@ def parse_request(
     tokenizer: PreTrainedTokenizerBase,
     default: Compression,
     max_prompt_tokens: int,
+    documents: Callable[[str], Document] | None = None,
 ) -> Request:
     """Validate the raw body of ``endpoint`` (``"chat"`` or ``"completions"``) against the schema
     (:mod:`kvbudget.serve.schema`) and tokenize its prompt, refusing one of more than
-    ``max_prompt_tokens`` tokens as soon as the count passes it (:func:`refuse_over_limit`)."""
+    ``max_prompt_tokens`` tokens as soon as the count passes it (:func:`refuse_over_limit`).
+    ``documents`` finds a document a request names (:class:`DocumentNotFound` when none): the
+    prompt is then the document's tokens followed by the request's (:func:`document_prompt_ids`)."""
     schema = ChatRequest if endpoint == "chat" else CompletionRequest
     try:
         body = schema.model_validate_json(raw or b"null")
@@ -101,13 +113,18 @@ def parse_request(
     if body.model != model_name:
         message = f"the model {quote(body.model)} does not exist: this server serves '{model_name}'"
         raise APIError(404, message, "model", "model_not_found")
-    compression = resolve_compression(body.kvbudget, default)
-    if endpoint == "chat":
-        ids = _chat_ids(body, tokenizer, max_prompt_tokens)
-        max_tokens = body.answer_limit()
+    document_id = body.kvbudget.document if body.kvbudget is not None else None
+    if document_id is not None:
+        try:
+            document = (documents or _no_documents)(document_id)
+        except DocumentNotFound as exc:
+            raise APIError(404, str(exc), "kvbudget.document", "document_not_found") from None
+        compression = Compression(document.compression.method, document=document.id)
+        ids = document_prompt_ids(endpoint, body, tokenizer, document, max_prompt_tokens)
     else:
-        ids = _completion_ids(body, tokenizer, max_prompt_tokens)
-        max_tokens = body.max_tokens
+        compression = resolve_compression(body.kvbudget, default)
+        ids = (_chat_ids if endpoint == "chat" else _completion_ids)(body, tokenizer, max_prompt_tokens)
+    max_tokens = body.answer_limit() if endpoint == "chat" else body.max_tokens
     options = body.stream_options
     return Request(
         endpoint=endpoint, prompt_ids=ids,
@@ -118,6 +135,96 @@ def parse_request(
         include_usage=bool(options and options.include_usage), compression=compression,
         ignore_eos=bool(body.kvbudget and body.kvbudget.ignore_eos),
     )  # fmt: skip
+
+
+def _no_documents(document_id: str) -> Document:
+    raise DocumentNotFound(f"no document {document_id!r} on this server")
+
+
+def document_prompt_ids(
+    endpoint: str, body: Any, tokenizer: PreTrainedTokenizerBase, document: Document, limit: int
+) -> list[int]:
+    """A request's prompt on ``document``: its ids, then the request's own. A chat's first message
+    is the user's, asking about the document: the conversation is rendered with the document's text
+    opening that message (a blank line, then the message), as :func:`kvbudget.engine.build_prompt`
+    renders a context and its question, and must begin with the document's tokens. A completion's
+    prompt (text or ids) follows the document's tokens as it is."""
+    if endpoint == "chat":
+        if document.text is None:
+            raise APIError(400, f"document {document.id} was given as token ids: ask it through "
+                           "/v1/completions, whose prompt follows its ids", "kvbudget.document")  # fmt: skip
+        if not tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+        refuse_over_limit(tokenizer, [m.text() for m in body.messages], limit, "the conversation", "messages")
+        rendered = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        first = rendered[0]
+        if first["role"] != "user":
+            raise APIError(400, f"a conversation on document {document.id} begins with the user's message "
+                           f"about it, not a {first['role']} message", "messages")  # fmt: skip
+        rendered[0] = {"role": "user", "content": f"{document.text}\n\n{first['content']}"}
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        cut = text.index(document.text) + len(document.text)
+        if tuple(tokenizer(text[:cut], add_special_tokens=False)["input_ids"]) != document.ids:
+            raise APIError(400, f"the conversation does not begin with document {document.id}'s tokens",
+                           "messages")  # fmt: skip
+        own = tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+    else:
+        prompt = body.prompt_value()
+        if isinstance(prompt, str):
+            refuse_over_limit(tokenizer, [prompt], limit, "the prompt", "prompt")
+            own = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            own = _completion_ids(body, tokenizer, limit)
+    return check_prompt_tokens([*document.ids, *own], limit, "the document and the prompt", "prompt")
+
+
+def parse_document_request(
+    raw: bytes, model_name: str, tokenizer: PreTrainedTokenizerBase, default: Compression, limit: int
+) -> tuple[list[int], str | None, Compression]:
+    """A ``POST /v1/kvbudget/documents`` body: the document's token ids (its text rendered as a chat's
+    first user message opens, :func:`kvbudget.engine.build_prompt`), its text, and its compression
+    (the body's method and size, else the server's document compression ``default``)."""
+    try:
+        body = DocumentRequest.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise APIError(400, message, param) from None
+    if body.model is not None and body.model != model_name:
+        message = f"the model {quote(body.model)} does not exist: this server serves '{model_name}'"
+        raise APIError(404, message, "model", "model_not_found")
+    if body.text is not None:
+        refuse_over_limit(tokenizer, [body.text], limit, "the document", "text")
+        ids = build_prompt(tokenizer, body.text).context_ids
+    else:
+        vocab = len(tokenizer)
+        bad = next((t for t in body.token_ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token_ids must be in [0, {vocab}), got {bad}", "token_ids")
+        ids = list(body.token_ids)
+    ids = check_prompt_tokens(ids, limit, "the document", "text" if body.text is not None else "token_ids")
+    return ids, body.text, _document_compression(body, default)
+
+
+def _document_compression(body: DocumentRequest, default: Compression) -> Compression:
+    method = body.method or default.method
+    try:
+        MethodSpec.parse(method)
+    except KVBudgetError as exc:
+        raise APIError(400, str(exc), "method") from None
+    if body.memory is not None:
+        return Compression(method, memory=body.memory)
+    bits = None if body.kv_bits == 16 else body.kv_bits
+    if method == "full":
+        return Compression("full", kv_bits=bits)
+    if body.budget is not None or body.ratio is not None:
+        return Compression(method, body.budget, body.ratio, bits)
+    if default.memory is not None:
+        if bits is not None:
+            raise APIError(400, "kv_bits needs a budget or ratio here: the server's document default is a "
+                           "byte budget (memory)", "kv_bits")  # fmt: skip
+        return Compression(method, memory=default.memory)
+    size = (default.budget, default.ratio) if (default.budget, default.ratio) != (None, None) else (None, 0.5)
+    return Compression(method, *size, bits if bits is not None else default.kv_bits)
 
 
 def resolve_compression(options: KVBudgetOptions | None, default: Compression) -> Compression:

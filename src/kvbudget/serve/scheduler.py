@@ -21,6 +21,11 @@ Follow-ups: a finished sequence's cache is kept as a :class:`~kvbudget.serve.bat
 its exact token ids; a request whose prompt extends one (same compression) takes that cache over
 and prefills only its new tokens. Nothing of one conversation reaches another: the key is the
 whole token prefix.
+
+Documents (:mod:`kvbudget.serve.documents`): :meth:`Scheduler.submit_document` compresses a prompt
+prefix once, without a question, admitted like a request; requests naming it read its cache as a
+shared, read-only prefix (:func:`kvbudget.shared_prefix.share`) and prefill only their own tokens.
+Its bytes count once in what the process holds, until it is deleted and no conversation reads it.
 """
 
 from __future__ import annotations
@@ -32,16 +37,18 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbudget.attention import attach
+from kvbudget.cache import model_entry_bytes
 from kvbudget.engine import check_ratio_budgets, memory_budget
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.methods.base import Method
 from kvbudget.methods.spec import MethodSpec
+from kvbudget.phases import Stage
 from kvbudget.prefill.common import eos_ids
 from kvbudget.serve.batcher import (
     Compression,
@@ -54,7 +61,9 @@ from kvbudget.serve.batcher import (
     prefill_sequence,
     reserved_bytes,
 )
+from kvbudget.serve.documents import Document, DocumentNotFound, new_document_id
 from kvbudget.serve.logs import log
+from kvbudget.shared_prefix import share
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -110,6 +119,11 @@ class Job:
     reserved: int = 0
     request_id: str = "-"
     done: bool = False
+    #: a document to create (its id) from this job's prompt, and the text it was made from
+    creates: str | None = None
+    document_text: str | None = None
+    #: the document this request reads
+    document: Document | None = None
 
     def cancel(self) -> None:
         """Ask the worker to drop this request (before its next step)."""
@@ -134,6 +148,8 @@ class Scheduler:
         default: the compression of a request that names none.
         max_queue: requests waiting at most (more: :class:`QueueFull`).
         keep_turns: keep finished caches for follow-ups (within the cap).
+        document_default: how a document is compressed when its creator names no method (default:
+            KVzip under a byte budget of 12.5% of the full cache's bytes).
     """
 
     def __init__(
@@ -145,6 +161,7 @@ class Scheduler:
         max_queue: int = 64,
         keep_turns: bool = True,
         metrics: Metrics | None = None,
+        document_default: Compression | None = None,
     ) -> None:
         if memory_cap <= 0:
             raise InputError(f"the memory cap must be positive, got {memory_cap} bytes")
@@ -153,6 +170,7 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.memory_cap, self.max_queue, self.keep_turns = memory_cap, max_queue, keep_turns
         self.default = default or Compression()
+        self.document_default = document_default or Compression("kvzip", memory=0.125)
         self.metrics = metrics or Metrics()
         self.eos = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -161,6 +179,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._active: list[Job] = []
         self._turns: OrderedDict[tuple[int, ...], tuple[Turn, Compression, int]] = OrderedDict()
+        self._documents: dict[str, Document] = {}
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -168,6 +187,7 @@ class Scheduler:
         self.peak_active = 0
         attach(model)
         self.method_for(self.default)  # a bad default fails at start, not at the first request
+        self._document_method(self.document_default)
 
     # ------------------------------------------------------------------ requests
     def method_for(self, compression: Compression) -> Method:
@@ -202,14 +222,22 @@ class Scheduler:
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
                 f"of {self.max_context} tokens"
             )
+        document = None
+        if compression.document is not None:  # the document's compression; the request's tokens as they are
+            document = self.document(compression.document)
+            n = len(document.ids)
+            if len(prompt_ids) <= n or tuple(prompt_ids[:n]) != document.ids:
+                raise InputError(f"the prompt does not begin with document {document.id}'s {n} tokens")
+            compression = replace(document.compression, document=document.id)
         method = self.method_for(compression)
-        check_ratio_budgets(method, compression.ratio, [len(prompt_ids)])
-        if compression.memory is not None:  # a budget the method cannot keep: a one-line 400 now
-            memory_budget(self.model, method, compression.memory, len(prompt_ids))
+        if document is None:
+            check_ratio_budgets(method, compression.ratio, [len(prompt_ids)])
+            if compression.memory is not None:  # a budget the method cannot keep: a one-line 400 now
+                memory_budget(self.model, method, compression.memory, len(prompt_ids))
         seq = make_sequence(
             prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method, ignore_eos
         )
-        job = Job(seq, sink, tuple(stop), request_id=request_id)
+        job = Job(seq, sink, tuple(stop), request_id=request_id, document=document)
         with self._lock:
             need = self._peak(job, self._find_turn(prompt_ids, compression))
             if need > self.memory_cap:
@@ -223,6 +251,115 @@ class Scheduler:
             self._lock.notify()
         return job
 
+    # ------------------------------------------------------------------ documents
+    def _document_method(self, compression: Compression) -> Method:
+        method = self.method_for(compression)
+        if Stage.DECODE in method.stages:
+            raise InputError(
+                f"{compression.method} compresses while decoding: a shared document's method must "
+                "compress the prompt only"
+            )
+        return method
+
+    def submit_document(
+        self,
+        ids: list[int],
+        sink: Callable[[dict[str, Any]], None],
+        compression: Compression | None = None,
+        text: str | None = None,
+        request_id: str = "-",
+    ) -> Job:
+        """Queue the compression of a document (``ids``, made from ``text`` if given), admitted like a
+        request; ``sink`` then receives ``{"document": info}`` (or ``{"error": ...}``). One-line
+        errors before any model work, as :meth:`submit`."""
+        compression = compression or self.document_default
+        if not ids:
+            raise InputError("the document is empty")
+        if len(ids) >= self.max_context:
+            raise InputError(f"a document of {len(ids)} tokens leaves no room in the model's context "
+                             f"of {self.max_context} tokens")  # fmt: skip
+        method = self._document_method(compression)
+        check_ratio_budgets(method, compression.ratio, [len(ids)])
+        if compression.memory is not None:
+            memory_budget(self.model, method, compression.memory, len(ids))
+        seq = make_sequence(ids, 1, self.eos, compression, method=method)
+        job = Job(seq, sink, request_id=request_id, creates=new_document_id(), document_text=text)
+        with self._lock:
+            need = self._peak(job, None)
+            if need > self.memory_cap:
+                raise TooLarge(
+                    f"compressing the document needs up to {need} bytes of KV cache, more than the "
+                    f"server's cap of {self.memory_cap} bytes"
+                )
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting): retry later")
+            self._queue.append(job)
+            self._lock.notify()
+        return job
+
+    def document(self, document_id: str) -> Document:
+        """The live document ``document_id``, or :class:`DocumentNotFound`."""
+        found = self._documents.get(document_id)
+        if found is None or found.deleted:
+            raise DocumentNotFound(f"no document {document_id!r} on this server (deleted, or never created)")
+        return found
+
+    def documents(self) -> list[dict[str, Any]]:
+        """Every live document's info, oldest first."""
+        with self._lock:
+            return [self._info(d) for d in self._documents.values() if not d.deleted]
+
+    def document_info(self, document_id: str) -> dict[str, Any]:
+        with self._lock:
+            return self._info(self.document(document_id))
+
+    def delete_document(self, document_id: str) -> dict[str, Any]:
+        """Delete a document: no new request may name it; the turns kept on it are dropped; its cache
+        is freed once the conversations reading it end."""
+        with self._lock:
+            doc = self.document(document_id)
+            doc.deleted = True
+            for ids in [ids for ids, (_, comp, _) in self._turns.items() if comp.document == document_id]:
+                del self._turns[ids]
+            self._collect_documents()
+        gc.collect()
+        release_freed_memory()
+        return {"id": document_id, "object": "kvbudget.document", "deleted": True}
+
+    def _users(self, document_id: str) -> int:
+        active = sum(1 for j in self._active if j.document is not None and j.document.id == document_id)
+        return active + sum(1 for _, comp, _ in self._turns.values() if comp.document == document_id)
+
+    def _info(self, doc: Document) -> dict[str, Any]:
+        doc.users = self._users(doc.id)
+        return doc.info()
+
+    def _collect_documents(self) -> None:
+        """Forget deleted documents no conversation reads any more (under the lock)."""
+        for doc_id in [i for i, d in self._documents.items() if d.deleted and not self._users(i)]:
+            del self._documents[doc_id]
+
+    def _create_document(self, job: Job) -> None:
+        seq, start = job.seq, time.perf_counter()
+        try:
+            prefill_sequence(self.model, seq, self.pad_id)
+        except Exception as exc:  # this document fails alone
+            self._fail(job, exc)
+            return
+        seq.cache.session = None  # read from now on, never compressed again
+        doc = Document(job.creates, tuple(seq.prompt_ids), job.document_text, seq.cache, seq.last_pos,
+                       seq.compression, time.perf_counter() - start)  # fmt: skip
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)
+            self._documents[doc.id] = doc
+            job.done = True
+            info = self._info(doc)
+        log.info("document %s: %d tokens, %s, %d KV bytes", doc.id, len(doc.ids), doc.compression.label(),
+                 doc.nbytes)  # fmt: skip
+        job.sink({"document": info})
+        self._account()
+
     # ------------------------------------------------------------------ state
     def stats(self) -> dict[str, int]:
         """Active and queued requests, kept turns, KV bytes held (caches' physical bytes) and
@@ -231,13 +368,19 @@ class Scheduler:
             return {
                 "active": len(self._active), "queued": len(self._queue), "kept_turns": len(self._turns),
                 "held_bytes": self.held_bytes(), "reserved_bytes": self._reserved(),
-                "cap_bytes": self.memory_cap,
+                "cap_bytes": self.memory_cap, "document_bytes": self._document_bytes(),
+                "documents": sum(not d.deleted for d in self._documents.values()),
             }  # fmt: skip
 
     def held_bytes(self) -> int:
-        """KV bytes the process holds now: active sequences' caches and kept turns."""
+        """KV bytes the process holds now: active sequences' caches, kept turns and documents (each
+        counted once, however many conversations read it)."""
         active = sum(j.seq.cache.physical_bytes() for j in self._active if j.seq.cache is not None)
-        return active + sum(turn.cache.physical_bytes() for turn, _, _ in self._turns.values())
+        turns = sum(turn.cache.physical_bytes() for turn, _, _ in self._turns.values())
+        return active + turns + self._document_bytes()
+
+    def _document_bytes(self) -> int:
+        return sum(d.nbytes for d in self._documents.values())
 
     def drop_kept_turns(self) -> int:
         """Forget every finished turn kept for follow-ups (their caches are freed once unreferenced);
@@ -245,6 +388,7 @@ class Scheduler:
         with self._lock:
             count = len(self._turns)
             self._turns.clear()
+            self._collect_documents()
         gc.collect()
         release_freed_memory()
         return count
@@ -255,7 +399,8 @@ class Scheduler:
             return sum(turn.cache.physical_bytes() for turn, _, _ in self._turns.values())
 
     def _reserved(self) -> int:
-        return sum(j.reserved for j in self._active) + sum(size for _, _, size in self._turns.values())
+        turns = sum(size for _, _, size in self._turns.values())
+        return sum(j.reserved for j in self._active) + turns + self._document_bytes()
 
     # ------------------------------------------------------------------ the worker
     def start(self) -> None:
@@ -311,12 +456,19 @@ class Scheduler:
             else:
                 kept.append(job)
         self._active = kept
+        self._collect_documents()
 
     def _peak(self, job: Job, turn: Turn | None) -> int:
         """KV bytes ``job`` may hold at its peak: a kept turn's cache grown by the new tokens and the
-        answer, or a fresh prefill's bound."""
+        answer, a request on a document its own tokens and answer in the model's dtype (a bound:
+        quantized ones take less; the document is counted once, apart), or a fresh prefill's bound."""
         if turn is not None:
             return grown_bytes(turn.cache, len(job.seq.prompt_ids) - len(turn.ids) + job.seq.max_tokens)
+        if job.document is not None:
+            config = self.model.config
+            own = len(job.seq.prompt_ids) - len(job.document.ids) + job.seq.max_tokens
+            per_token = model_entry_bytes(config, self.model.dtype) * config.num_key_value_heads
+            return own * per_token * config.num_hidden_layers
         return prefill_peak_bytes(self.model, job.seq)
 
     def _next_admissible(self) -> Job | None:
@@ -324,15 +476,24 @@ class Scheduler:
         if not self._queue:
             return None
         job = self._queue[0]
-        turn = self._find_turn(job.seq.prompt_ids, job.seq.compression)
-        if turn is not None:  # taken over: its bytes move from the store into the job's reservation
-            self._turns.pop(turn.ids)
+        doc = job.document
+        if doc is not None and doc.id not in self._documents:
+            self._queue.popleft()  # its document was deleted (and freed) while it waited
+            job.done = True
+            job.sink({"error": f"document {doc.id} was deleted"})
+            return None
+        kept = None if job.creates else self._find_turn(job.seq.prompt_ids, job.seq.compression)
+        if kept is not None:  # taken over: its bytes move from the store into the job's reservation
+            self._turns.pop(kept.ids)
+        turn = kept
+        if turn is None and doc is not None:  # the document's cache as its prefix, shared
+            turn = Turn(doc.ids, share(doc.cache), doc.last_pos)
         need = self._peak(job, turn)
         while self._reserved() + need > self.memory_cap and self._turns:
             self._turns.popitem(last=False)  # least recently used first
         if self._reserved() + need > self.memory_cap:
-            if turn is not None:
-                self._keep(turn, job.seq.compression)
+            if kept is not None:
+                self._keep(kept, job.seq.compression)
             return None
         self._queue.popleft()
         job.reuse = turn
@@ -341,6 +502,9 @@ class Scheduler:
         return job
 
     def _prefill(self, job: Job) -> None:
+        if job.creates is not None:
+            self._create_document(job)
+            return
         seq = job.seq
         try:
             token = prefill_sequence(self.model, seq, self.pad_id, job.reuse)
@@ -412,7 +576,7 @@ class Scheduler:
                 "method": comp.method, "budget": comp.budget, "ratio": comp.ratio,
                 "kv_bits": comp.kv_bits or (None if comp.memory is not None else 16), "memory": comp.memory,
                 "reused_tokens": seq.reused_tokens, "kept_entries": kept,
-                "kv_bytes": cache.physical_bytes() if cache else 0,
+                "kv_bytes": cache.physical_bytes() if cache else 0, "document": comp.document,
             },
         }  # fmt: skip
         with self._lock:
@@ -421,6 +585,7 @@ class Scheduler:
             if self.keep_turns and cache is not None and not job.cancelled.is_set():
                 self._keep(seq.turn(), seq.compression)
             job.done = True
+            self._collect_documents()
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted
         job.sink({"finish_reason": reason, "usage": usage, "ttft_s": ttft})
 
@@ -451,6 +616,7 @@ class Scheduler:
                 self._active.remove(job)
             job.seq.cache = None
             job.done = True
+            self._collect_documents()
         cause = str(exc) if isinstance(exc, KVBudgetError) else f"{type(exc).__name__}: {exc}"
         cause = " ".join(cause.split())[:300]
         log.error("request %s failed in the model thread: %s", job.request_id, cause)

@@ -110,14 +110,26 @@ class KVBudgetOptions(_Strict):
     kv_bits: Literal[2, 4, 8, 16] | None = None
     memory: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     ignore_eos: bool = False
+    #: a document's id (``POST /v1/kvbudget/documents``): the prompt begins with it, as it was compressed
+    document: Name | None = None
 
     @model_validator(mode="after")
     def _one_size(self) -> KVBudgetOptions:
-        if self.budget is not None and self.ratio is not None:
-            raise PydanticCustomError("budget_and_ratio", "give budget or ratio, not both")
-        if self.memory is not None and (self.budget, self.ratio, self.kv_bits) != (None, None, None):
-            raise PydanticCustomError("memory_alone", "give memory or budget/ratio/kv_bits, not both")
+        _check_size(self)
+        sized = (self.method, self.budget, self.ratio, self.kv_bits, self.memory)
+        if self.document is not None and sized != (None,) * 5:
+            raise PydanticCustomError(
+                "document_alone", "a request on a document runs the document's compression: give no method, "
+                "budget, ratio, kv_bits or memory with it",
+            )  # fmt: skip
         return self
+
+
+def _check_size(options: Any) -> None:
+    if options.budget is not None and options.ratio is not None:
+        raise PydanticCustomError("budget_and_ratio", "give budget or ratio, not both")
+    if options.memory is not None and (options.budget, options.ratio, options.kv_bits) != (None, None, None):
+        raise PydanticCustomError("memory_alone", "give memory or budget/ratio/kv_bits, not both")
 
 
 class StreamOptions(_Strict):
@@ -286,6 +298,29 @@ class CompletionRequest(_Common):
         return prompt  # type: ignore[return-value]
 
 
+class DocumentRequest(_Strict):
+    """``POST /v1/kvbudget/documents``: a document's ``text`` (tokenized as a chat's first user message
+    opens, so chat requests can name it) or its ``token_ids`` (completions only), and how to compress
+    it — a method spec and a size as a request's ``kvbudget`` field takes them (default: the server's
+    document method). ``model``, if given, must be the server's."""
+
+    model: Name | None = None
+    text: Annotated[str, Field(min_length=1)] | None = None
+    token_ids: TokenIds | None = None
+    method: Name | None = None
+    budget: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
+    ratio: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+    kv_bits: Literal[2, 4, 8, 16] | None = None
+    memory: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DocumentRequest:
+        if (self.text is None) == (self.token_ids is None):
+            raise PydanticCustomError("one_source", "give the document's text or its token_ids (one of them)")
+        _check_size(self)
+        return self
+
+
 def _path(loc: tuple[Any, ...]) -> str:
     """``("messages", 0, "role")`` → ``messages[0].role`` (pydantic's union branch names dropped)."""
     path = ""
@@ -338,6 +373,8 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
         "empty_prompt",
         "budget_and_ratio",
         "memory_alone",
+        "document_alone",
+        "one_source",
     }:
         message = f"{message[:1].lower()}{message[1:]}, got {quote(first.get('input'))}"
     return (f"{param}: {message}" if param else message), param

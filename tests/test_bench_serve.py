@@ -100,7 +100,7 @@ def test_bench_serve_refuses_bad_specs_and_a_missing_llama_server_in_one_line(tm
     for extra, message in (
         (["--methods", "snapkv:kv_bits=3"], "kv_bits must be one of 2, 4, 8 or 16"),
         (["--llama-server", str(tmp_path / "none")], "no llama-server at"),
-        (["--llama-server", sys.executable, "--llama-cache-types", "q5_1"], "takes f16, q8_0, q4_0"),
+        (["--llama-server", sys.executable, "--llama-cache-types", "q5_1"], "q8_0, q4_0; got q5_1"),
     ):
         result = runner.invoke(
             app, ["bench", "serve", "--model", source, "--out", str(tmp_path / "o"), *extra]

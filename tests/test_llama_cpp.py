@@ -32,18 +32,20 @@ def test_token_bytes_by_hand() -> None:
 
 def test_slots_are_what_the_cap_holds() -> None:
     per_token = llama_cpp.token_bytes(QWEN_05B, "q4_0")
-    slot = 8448  # 8,192 + 64 rounded up to 256
-    cap = int(3 * slot * per_token) + 1
-    plan = llama_cpp.plan_slots(cap, 8192 + 64, per_token, clients=9, cache_type="q4_0")
-    assert (plan.slots, plan.slot_tokens, plan.ctx) == (3, slot, 3 * slot)
-    assert plan.kv_bytes == int(3 * slot * per_token) <= cap
+    longest = 8192 + 64
+    cap = int(8448 * 3 * per_token) + 1
+    plan = llama_cpp.plan_slots(cap, longest, per_token, clients=9, cache_type="q4_0")
+    # 3 x 8,256 = 24,768 tokens, padded to 24,832 (97 x 256): within the cap; 4 slots are not
+    assert (plan.slots, plan.ctx, plan.slot_tokens) == (3, 24832, 8277)
+    assert plan.kv_bytes == int(24832 * per_token) <= cap
+    assert plan.slot_tokens >= longest
     assert llama_cpp.plan_slots(10**12, 100, per_token, clients=4, cache_type="q4_0").slots == 4
-    with pytest.raises(InputError, match="holds no 256-token conversation"):
+    with pytest.raises(InputError, match="holds no 100-token conversation"):
         llama_cpp.plan_slots(1000, 100, per_token, clients=4, cache_type="q4_0")
 
 
 def test_the_command_line_sets_the_plan() -> None:
-    plan = llama_cpp.SlotPlan("q8_0", 3, 512, 1)
+    plan = llama_cpp.SlotPlan("q8_0", 3, 1536, 1)
     command = llama_cpp.server_command("bin/llama-server", "m.gguf", 8123, plan, threads=2)
 
     def flag(name: str) -> str:
@@ -84,7 +86,7 @@ def test_the_stream_parser_times_tokens_as_they_arrive() -> None:
 
 
 def test_the_row_scores_answers_and_counts_failures() -> None:
-    plan = llama_cpp.SlotPlan("q4_0", 2, 512, 4096)
+    plan = llama_cpp.SlotPlan("q4_0", 2, 1024, 4096)
     run = {"wall_s": 10.0, "held_at_once": 2, "requests": [
         {"id": 0, "text": " 12", "token_ids": [1, 2], "ttft_s": 1.0, "tpot_s": 0.5},
         {"id": 1, "text": " 7", "token_ids": [3], "ttft_s": 3.0, "tpot_s": None},
@@ -145,7 +147,7 @@ def test_the_client_loop_against_a_server_speaking_llama_servers_protocol(tmp_pa
     prompts = [
         {"id": i, "input_ids": [7] * (10 + i), "max_new_tokens": 8, "ignore_eos": False} for i in range(5)
     ]
-    plan = llama_cpp.SlotPlan("q8_0", 2, 256, 1)
+    plan = llama_cpp.SlotPlan("q8_0", 2, 512, 1)
     run = llama_cpp.run_server(
         llama_cpp.check_binary(binary), tmp_path / "m.gguf", plan, prompts, clients=4, threads=1,
         log=tmp_path / "llama.log", timeout_s=60,

@@ -244,7 +244,7 @@ def bench_serve(
         openvino_python=str(openvino) if openvino else None,
         openvino_model=str(openvino_model) if openvino_model else None, device=device,
         random_weights=random_weights, llama_server=str(llama_server) if llama_server else None,
-        llama_cache_types=split_values(llama_cache_types) or [],
+        llama_cache_types=split_values([llama_cache_types]) or [],
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())

@@ -5,11 +5,11 @@ as kvbudget's rows.
 
 llama.cpp allocates its KV cache up front: ``--ctx-size`` tokens, split evenly between ``--parallel``
 slots (``--no-kv-unified``), each slot one conversation. Under a cap of ``C`` bytes it therefore
-holds ``C // (slot tokens × bytes a token)`` conversations at once, a slot being the longest prompt
-and its answer rounded up to 256 tokens; the rest wait in its queue. A token's KV bytes at a cache
-type: layers × KV heads × head size × 2 (keys and values) × the type's bytes an element — f16 2,
-q8_0 34/32 (blocks of 32 int8 codes and an f16 scale), q4_0 18/32 (32 4-bit codes and an f16
-scale). Quantized values need flash attention (``--flash-attn on``, used for every type alike).
+holds as many conversations at once as fit — ``slots × (longest prompt + its answer)`` tokens,
+rounded up to 256, times the bytes a token takes — and the rest wait in its queue. A token's KV
+bytes at a cache type: layers × KV heads × head size × 2 (keys and values) × the type's bytes an
+element — f16 2, q8_0 34/32 (blocks of 32 int8 codes and an f16 scale), q4_0 18/32 (32 4-bit
+codes and an f16 scale; keys are blocked along a token's channels, not per channel as KIVI's). Quantized values need flash attention (``--flash-attn on``, used for every type alike).
 
 What differs from kvbudget's rows, and is said beside them: llama.cpp computes with the GGUF's
 4-bit weights as they are (kvbudget dequantizes them to bf16), so its answers may differ; its prompt
@@ -65,32 +65,39 @@ def token_bytes(config: Any, cache_type: str) -> float:
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """``slots`` conversations of ``slot_tokens`` each: ``ctx = slots × slot_tokens`` tokens,
-    ``kv_bytes`` allocated."""
+    """``slots`` conversations sharing ``ctx`` tokens (``ctx // slots`` each), ``kv_bytes``
+    allocated."""
 
     cache_type: str
     slots: int
-    slot_tokens: int
+    ctx: int
     kv_bytes: int
 
     @property
-    def ctx(self) -> int:
-        return self.slots * self.slot_tokens
+    def slot_tokens(self) -> int:
+        return self.ctx // self.slots
+
+
+def _padded(tokens: int) -> int:
+    return -(-tokens // CTX_PAD) * CTX_PAD
 
 
 def plan_slots(
     cap_bytes: int, longest_tokens: int, per_token: float, clients: int, cache_type: str
 ) -> SlotPlan:
-    """As many slots as the cap holds (at most ``clients``), each ``longest_tokens`` rounded up to
-    :data:`CTX_PAD`; an error when the cap holds none."""
-    slot_tokens = -(-longest_tokens // CTX_PAD) * CTX_PAD
-    slots = min(clients, int(cap_bytes // (slot_tokens * per_token)))
+    """As many slots of ``longest_tokens`` as the cap holds (at most ``clients``), the context they
+    share rounded up to :data:`CTX_PAD` tokens within the cap; an error when it holds none."""
+    slots = 0
+    while slots < clients and _padded((slots + 1) * longest_tokens) * per_token <= cap_bytes:
+        slots += 1
     if slots < 1:
+        need = _padded(longest_tokens) * per_token
         raise InputError(
-            f"the cap ({cap_bytes} bytes) holds no {slot_tokens}-token conversation in llama.cpp's "
-            f"{cache_type} cache ({slot_tokens * per_token:.0f} bytes)"
+            f"the cap ({cap_bytes} bytes) holds no {longest_tokens}-token conversation in llama.cpp's "
+            f"{cache_type} cache ({need:.0f} bytes)"
         )
-    return SlotPlan(cache_type, slots, slot_tokens, int(slots * slot_tokens * per_token))
+    ctx = _padded(slots * longest_tokens)
+    return SlotPlan(cache_type, slots, ctx, int(ctx * per_token))
 
 
 def server_command(binary: Path, gguf: Path, port: int, plan: SlotPlan, threads: int) -> list[str]:

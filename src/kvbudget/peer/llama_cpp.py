@@ -9,7 +9,8 @@ holds as many conversations at once as fit — ``slots × (longest prompt + its 
 rounded up to 256, times the bytes a token takes — and the rest wait in its queue. A token's KV
 bytes at a cache type: layers × KV heads × head size × 2 (keys and values) × the type's bytes an
 element — f16 2, q8_0 34/32 (blocks of 32 int8 codes and an f16 scale), q4_0 18/32 (32 4-bit
-codes and an f16 scale; keys are blocked along a token's channels, not per channel as KIVI's). Quantized values need flash attention (``--flash-attn on``, used for every type alike).
+codes and an f16 scale; keys are blocked along a token's channels, not per channel as KIVI's).
+Quantized values need flash attention (``--flash-attn on``, used for every type alike).
 
 What differs from kvbudget's rows, and is said beside them: llama.cpp computes with the GGUF's
 4-bit weights as they are (kvbudget dequantizes them to bf16), so its answers may differ; its prompt

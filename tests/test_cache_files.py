@@ -46,6 +46,28 @@ def test_a_loaded_cache_decodes_as_the_saved_one(name, bits, tmp_path):
     assert list(tmp_path.iterdir()) == [path]  # written through a temporary file, renamed into place
 
 
+@pytest.mark.parametrize("name", ["snapkv", "kvzip"])
+def test_a_byte_budgets_two_precisions_round_trip(name, tmp_path):
+    """``memory=``: each head's two segments (8 and 4 bits) are saved and loaded as they are."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    context = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 4
+    out = kvbudget.generate(model, tokenizer, context, "What?", method=small(name), memory=0.3,
+                            compress_context_only=True, max_new_tokens=1, return_cache=True)  # fmt: skip
+    cache = out.cache
+    assert cache.byte_budget is not None
+    kept = copy.deepcopy(cache)
+    ids = torch.tensor([[5]])
+    source = kvbudget.cache_files.source_of(model, cache, list(range(cache.layers[0].seen)))
+    loaded = kvbudget.load_cache(kvbudget.save_cache(cache, tmp_path / "doc.safetensors", source), model)
+    assert loaded.source.memory == 0.3
+    for mine, theirs in zip(loaded.layers, kept.layers, strict=True):
+        for a, b in zip(mine.quant, theirs.quant, strict=True):
+            assert type(a) is type(b) and a.high.bits == b.high.bits == 8 and a.low.bits == b.low.bits
+            assert all(torch.equal(x, y) for x, y in zip(a.dequantize(), b.dequantize(), strict=True))
+    for got, want in zip(_decode(model, loaded, ids), _decode(model, kept, ids), strict=True):
+        assert got.equal(want)
+
+
 def test_another_models_cache_or_dtype_is_refused_in_one_line(tmp_path):
     model = tiny_model("llama")
     ids = torch.randint(3, 90, (1, 60), generator=seeded(8))

@@ -33,7 +33,7 @@ from kvbudget.cache import BudgetCache, BudgetLayer
 from kvbudget.errors import KVBudgetError, PathError
 from kvbudget.phases import Stage
 from kvbudget.profiles import config_hash
-from kvbudget.quantized_store import QuantizedHead
+from kvbudget.quantized_store import QuantizedHead, TieredHead
 from kvbudget.version import __version__
 
 FORMAT = "kvbudget-cache/1"
@@ -53,6 +53,7 @@ class CacheSource:
     ratio: float | None
     kv_bits: int | None
     token_ids: list[int]
+    memory: float | None = None
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:
@@ -78,6 +79,7 @@ def source_of(model: PreTrainedModel, cache: BudgetCache, token_ids: list[int]) 
         ratio=getattr(session, "ratio", None),
         kv_bits=cache.kv_bits,
         token_ids=list(token_ids),
+        memory=getattr(session, "memory", None),
     )
 
 
@@ -144,12 +146,19 @@ def _put_layer(layer: BudgetLayer, prefix: str, tensors: dict[str, torch.Tensor]
         "sliding_window": layer.sliding_window, "softcap": layer.softcap, "state": sorted(layer.state),
     }  # fmt: skip
     if layer.quant is not None:
-        layout["quant"] = [
-            {"bits": q.bits, "group": q.group, "whole_groups": q.whole_groups} for q in layer.quant
-        ]
+        layout["quant"] = []
         for h, q in enumerate(layer.quant):
-            for name in _HEAD_FIELDS:
-                tensors[f"{prefix}.q{h}.{name}"] = getattr(q, name)
+            parts = {"high": q.high, "low": q.low} if isinstance(q, TieredHead) else {"": q}
+            if not all(isinstance(part, QuantizedHead) for part in parts.values()):
+                raise KVBudgetError("save_cache: a conversation on a shared document cannot be saved alone")
+            layout["quant"].append({
+                name: {"bits": part.bits, "group": part.group, "whole_groups": part.whole_groups}
+                for name, part in parts.items()
+            })  # fmt: skip
+            for part_name, part in parts.items():
+                tag = f"{prefix}.q{h}.{part_name}." if part_name else f"{prefix}.q{h}."
+                for name in _HEAD_FIELDS:
+                    tensors[tag + name] = getattr(part, name)
         return layout
     keys, values = (layer.head_keys, layer.head_values) if ragged else ([layer.keys], [layer.values])
     for j, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -180,7 +189,7 @@ def load_cache(path: str | Path, model: PreTrainedModel) -> BudgetCache:
         raise KVBudgetError(
             f"{path} is not a kvbudget cache file ({str(err).splitlines()[0][:120]})"
         ) from None
-    source = CacheSource(**{f.name: header[f.name] for f in fields(CacheSource)})
+    source = CacheSource(**{f.name: header.get(f.name, f.default) for f in fields(CacheSource)})
     _check_model(source, model, path)
     layouts = header["layouts"]
     if len(layouts) != model.config.num_hidden_layers:
@@ -227,12 +236,16 @@ def _take_layer(
     positions = [get(f"positions.{j}") for j in range(parts)]
     state = {name: [get(f"state.{name}.{j}") for j in range(parts)] for name in layout["state"]}
     if "quant" in layout:
-        quant = []
+        quant: list[Any] = []
         for h, q in enumerate(layout["quant"]):
-            values = {name: get(f"q{h}.{name}") for name in _HEAD_FIELDS}
-            quant.append(
-                QuantizedHead(**values, bits=q["bits"], group=q["group"], whole_groups=q["whole_groups"])
-            )
+            parts = {}
+            for part_name, meta in q.items():
+                tag = f"q{h}.{part_name}." if part_name else f"q{h}."
+                values = {name: get(tag + name) for name in _HEAD_FIELDS}
+                parts[part_name] = QuantizedHead(
+                    **values, bits=meta["bits"], group=meta["group"], whole_groups=meta["whole_groups"]
+                )
+            quant.append(TieredHead(parts["high"], parts["low"]) if "high" in parts else parts[""])
         first = quant[0].tail_keys
         layer.keys = layer.values = None
         layer.quant = quant

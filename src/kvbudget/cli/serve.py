@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging.config
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -45,6 +46,16 @@ def serve(
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write shared documents here; found again after a restart and by other servers of "
+            "the same model pointed at it."
+        ),
+    ] = None,
+    cache_dir_cap: Annotated[
+        str, typer.Option(help="Bytes --cache-dir may hold (least recently used documents deleted first).")
+    ] = "10GiB",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     device: Annotated[
@@ -87,6 +98,11 @@ def serve(
     from kvbudget.units import format_bytes, parse_size
 
     cap = parse_size(memory_cap)
+    document_dir = None
+    if cache_dir is not None:
+        from kvbudget.serve.document_dir import DocumentDir
+
+        document_dir = DocumentDir(cache_dir, parse_size(cache_dir_cap, "--cache-dir-cap"))
     body_limit = parse_size(max_body, "--max-body")
     from kvbudget.engine import check_size
 
@@ -116,7 +132,14 @@ def serve(
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     registry, metrics = prometheus_metrics()
     scheduler = Scheduler(
-        lm, tokenizer, cap, default, max_queue=max_queue, metrics=metrics, document_default=document_default
+        lm,
+        tokenizer,
+        cap,
+        default,
+        max_queue=max_queue,
+        metrics=metrics,
+        document_default=document_default,
+        document_dir=document_dir,
     )
     name = served_name or model
     logging.config.dictConfig(log_config(log_level))  # the line below in the server's format too

@@ -39,27 +39,33 @@ class Document:
         id: what requests name. ids: its token ids (a prompt naming it begins with them).
         text: the text it was made from (``None`` when given as token ids: then only completions,
             whose prompt ids follow the document's, can name it).
-        cache: its compressed cache (batch 1; read, never written, by the conversations on it).
+        cache: its compressed cache (batch 1; read, never written, by the conversations on it), or
+            ``None`` while it is only on disk (``--cache-dir``: loaded when a request needs it).
         last_pos: the RoPE position of its last token.
         compression: how it was compressed. compress_s: seconds the prefill and compression took.
         users: conversations reading it now (active or kept for follow-ups).
         deleted: deleted by its owner; freed once ``users`` is 0.
+        stored_bytes: its cache's bytes in memory when it was made (what loading it takes).
+        saved: its files are in the server's cache directory.
     """
 
     id: str
     ids: tuple[int, ...]
     text: str | None
-    cache: BudgetCache
+    cache: BudgetCache | None
     last_pos: int
     compression: Compression
     compress_s: float
     created: int = field(default_factory=lambda: int(time.time()))
     users: int = 0
     deleted: bool = False
+    stored_bytes: int = 0
+    saved: bool = False
 
     @property
     def nbytes(self) -> int:
-        return self.cache.physical_bytes()
+        """Bytes it holds in memory now (0 while only on disk)."""
+        return self.cache.physical_bytes() if self.cache is not None else 0
 
     def info(self) -> dict[str, Any]:
         """What the documents API answers about it."""
@@ -67,6 +73,7 @@ class Document:
         return {
             "id": self.id, "object": "kvbudget.document", "created": self.created, "tokens": len(self.ids),
             "method": comp.method, "budget": comp.budget, "ratio": comp.ratio, "kv_bits": comp.kv_bits,
-            "memory": comp.memory, "kv_bytes": self.nbytes, "compress_s": round(self.compress_s, 3),
-            "conversations": self.users,
+            "memory": comp.memory, "kv_bytes": self.nbytes or self.stored_bytes,
+            "compress_s": round(self.compress_s, 3), "conversations": self.users,
+            "in_memory": self.cache is not None, "on_disk": self.saved,
         }  # fmt: skip

@@ -150,6 +150,8 @@ class Scheduler:
         keep_turns: keep finished caches for follow-ups (within the cap).
         document_default: how a document is compressed when its creator names no method (default:
             KVzip under a byte budget of 12.5% of the full cache's bytes).
+        document_dir: where documents are also written (:mod:`kvbudget.serve.document_dir`), found
+            again after a restart or by another replica, and reloaded after a memory squeeze.
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class Scheduler:
         keep_turns: bool = True,
         metrics: Metrics | None = None,
         document_default: Compression | None = None,
+        document_dir: Any = None,
     ) -> None:
         if memory_cap <= 0:
             raise InputError(f"the memory cap must be positive, got {memory_cap} bytes")
@@ -180,6 +183,9 @@ class Scheduler:
         self._active: list[Job] = []
         self._turns: OrderedDict[tuple[int, ...], tuple[Turn, Compression, int]] = OrderedDict()
         self._documents: dict[str, Document] = {}
+        self.document_dir = document_dir
+        if document_dir is not None:
+            self._documents.update((d.id, d) for d in document_dir.find(model))
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -298,8 +304,14 @@ class Scheduler:
         return job
 
     def document(self, document_id: str) -> Document:
-        """The live document ``document_id``, or :class:`DocumentNotFound`."""
+        """The live document ``document_id`` (looked for in the cache directory too: another replica
+        may have made it), or :class:`DocumentNotFound`."""
         found = self._documents.get(document_id)
+        if found is None and self.document_dir is not None:
+            on_disk = self.document_dir.find(self.model, document_id)
+            if on_disk:
+                with self._lock:
+                    found = self._documents.setdefault(document_id, on_disk[0])
         if found is None or found.deleted:
             raise DocumentNotFound(f"no document {document_id!r} on this server (deleted, or never created)")
         return found
@@ -319,6 +331,8 @@ class Scheduler:
         with self._lock:
             doc = self.document(document_id)
             doc.deleted = True
+            if self.document_dir is not None:
+                self.document_dir.delete(document_id)
             for ids in [ids for ids, (_, comp, _) in self._turns.items() if comp.document == document_id]:
                 del self._turns[ids]
             self._collect_documents()
@@ -333,6 +347,13 @@ class Scheduler:
     def _info(self, doc: Document) -> dict[str, Any]:
         doc.users = self._users(doc.id)
         return doc.info()
+
+    def _unload_documents(self, keep: Document | None) -> None:
+        """Drop from memory the documents no conversation reads that the cache directory holds (under
+        the lock): a request naming one loads it again."""
+        for doc in self._documents.values():
+            if doc is not keep and doc.saved and doc.cache is not None and not self._users(doc.id):
+                doc.cache = None
 
     def _collect_documents(self) -> None:
         """Forget deleted documents no conversation reads any more (under the lock)."""
@@ -349,6 +370,13 @@ class Scheduler:
         seq.cache.session = None  # read from now on, never compressed again
         doc = Document(job.creates, tuple(seq.prompt_ids), job.document_text, seq.cache, seq.last_pos,
                        seq.compression, time.perf_counter() - start)  # fmt: skip
+        if self.document_dir is not None:
+            try:
+                self.document_dir.save(doc, self.model)
+                doc.saved = True
+            except KVBudgetError as exc:  # kept in memory only; the request still gets its document
+                log.warning("document %s not written to the cache directory: %s", doc.id, exc)
+        doc.stored_bytes = doc.nbytes
         with self._lock:
             if job in self._active:
                 self._active.remove(job)
@@ -468,7 +496,8 @@ class Scheduler:
             config = self.model.config
             own = len(job.seq.prompt_ids) - len(job.document.ids) + job.seq.max_tokens
             per_token = model_entry_bytes(config, self.model.dtype) * config.num_key_value_heads
-            return own * per_token * config.num_hidden_layers
+            loading = job.document.stored_bytes if job.document.cache is None else 0
+            return own * per_token * config.num_hidden_layers + loading
         return prefill_peak_bytes(self.model, job.seq)
 
     def _next_admissible(self) -> Job | None:
@@ -486,11 +515,13 @@ class Scheduler:
         if kept is not None:  # taken over: its bytes move from the store into the job's reservation
             self._turns.pop(kept.ids)
         turn = kept
-        if turn is None and doc is not None:  # the document's cache as its prefix, shared
+        if turn is None and doc is not None and doc.cache is not None:  # the document's cache, shared
             turn = Turn(doc.ids, share(doc.cache), doc.last_pos)
         need = self._peak(job, turn)
         while self._reserved() + need > self.memory_cap and self._turns:
             self._turns.popitem(last=False)  # least recently used first
+        if self._reserved() + need > self.memory_cap:
+            self._unload_documents(keep=doc)
         if self._reserved() + need > self.memory_cap:
             if kept is not None:
                 self._keep(kept, job.seq.compression)
@@ -507,6 +538,11 @@ class Scheduler:
             return
         seq = job.seq
         try:
+            if job.document is not None and job.reuse is None:  # on disk only: loaded now
+                doc = job.document
+                if doc.cache is None:
+                    doc.cache = self.document_dir.load(doc, self.model)
+                job.reuse = Turn(doc.ids, share(doc.cache), doc.last_pos)
             token = prefill_sequence(self.model, seq, self.pad_id, job.reuse)
         except Exception as exc:  # this request fails alone; the others keep decoding
             self._fail(job, exc)

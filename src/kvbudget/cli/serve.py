@@ -46,6 +46,14 @@ def serve(
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",
+    chunk_tokens: Annotated[
+        int,
+        typer.Option(
+            help="While others decode, read prompts of at least this many tokens a few layers at a time "
+            "between their steps (0: never)."
+        ),
+    ] = 1024,
+    chunk_layers: Annotated[int, typer.Option(help="Decoder layers a piece of such a prompt.")] = 1,
     cache_dir: Annotated[
         Path | None,
         typer.Option(
@@ -114,6 +122,8 @@ def serve(
 
     check_memory(memory, budget, ratio, bits)
     check.at_least(max_queue, 1, "--max-queue")
+    check.at_least(chunk_tokens, 0, "--chunk-tokens")
+    check.at_least(chunk_layers, 1, "--chunk-layers")
     check.at_least(max_prompt_tokens, 1, "--max-prompt-tokens")
     if log_level not in LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LEVELS)}, got {log_level!r}")
@@ -140,6 +150,8 @@ def serve(
         metrics=metrics,
         document_default=document_default,
         document_dir=document_dir,
+        chunk_tokens=chunk_tokens or None,
+        chunk_layers=chunk_layers,
     )
     name = served_name or model
     logging.config.dictConfig(log_config(log_level))  # the line below in the server's format too

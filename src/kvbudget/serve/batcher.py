@@ -169,7 +169,7 @@ def make_sequence(
     )  # fmt: skip
 
 
-def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+def sample_token(seq: Sequence, logits: torch.Tensor) -> int:
     """Sample ``seq``'s next token from ``logits: [1, vocab]`` with its own generator."""
     if seq.generator is None:
         seq.generator = torch.Generator().manual_seed(seq.seed)
@@ -177,6 +177,23 @@ def _sample(seq: Sequence, logits: torch.Tensor) -> int:
     seq.pending = token
     seq.generated.append(token)
     return token
+
+
+def new_session(model: PreTrainedModel, seq: Sequence) -> CompressionSession:
+    """The compression session of ``seq``'s prefill: its method at its budget, ratio, ``kv_bits``
+    or byte budget (``kvbudget.generate``'s default budget when it names none)."""
+    comp = seq.compression
+    budget, ratio = comp.budget, comp.ratio
+    if comp.memory is not None:
+        budget = memory_budget(model, seq.method, comp.memory, len(seq.prompt_ids))
+    elif budget is None and ratio is None:
+        budget = 128  # kvbudget.generate's default
+    session = CompressionSession(
+        seq.method, model.config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=comp.kv_bits,
+        memory=comp.memory,
+    )  # fmt: skip
+    session.memory_tokens = len(seq.prompt_ids)
+    return session
 
 
 @torch.inference_mode()
@@ -189,19 +206,8 @@ def prefill_sequence(model: PreTrainedModel, seq: Sequence, pad_id: int, reuse: 
     new tokens are prefilled, appended uncompressed (the earlier method's session is off for them);
     decoding then continues under that method as before. The turn's cache must not be used again.
     """
-    config = model.config
     if reuse is None:
-        comp = seq.compression
-        budget, ratio = comp.budget, comp.ratio
-        if comp.memory is not None:
-            budget = memory_budget(model, seq.method, comp.memory, len(seq.prompt_ids))
-        elif budget is None and ratio is None:
-            budget = 128  # kvbudget.generate's default
-        seq.session = CompressionSession(
-            seq.method, config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=comp.kv_bits,
-            memory=comp.memory,
-        )  # fmt: skip
-        seq.session.memory_tokens = len(seq.prompt_ids)
+        seq.session = new_session(model, seq)
         cache, logits, _, last_pos = prefill(
             model, [Prompt(seq.prompt_ids, [])], seq.session, pad_id, False, set(seq.eos)
         )
@@ -222,7 +228,7 @@ def prefill_sequence(model: PreTrainedModel, seq: Sequence, pad_id: int, reuse: 
         seq.last_pos += len(new)
     if seq.session is not None:
         seq.session.begin_decode()
-    return _sample(seq, logits)
+    return sample_token(seq, logits)
 
 
 @torch.inference_mode()
@@ -242,7 +248,7 @@ def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int | Exce
     for r, s in enumerate(seqs):
         s.last_pos += 1
         try:
-            tokens.append(_sample(s, logits[r : r + 1]))
+            tokens.append(sample_token(s, logits[r : r + 1]))
         except Exception as exc:  # noqa: BLE001 - handed to the scheduler, which ends this row
             tokens.append(exc)
     return tokens

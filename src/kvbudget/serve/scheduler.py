@@ -22,6 +22,11 @@ its exact token ids; a request whose prompt extends one (same compression) takes
 and prefills only its new tokens. Nothing of one conversation reaches another: the key is the
 whole token prefix.
 
+Chunked prefill (:mod:`kvbudget.serve.chunked_prefill`): while other conversations are decoding, a
+prompt of at least ``chunk_tokens`` tokens is read ``chunk_layers`` decoder layers at a time, one
+piece between two decode steps, so they keep decoding while it is read; one prompt is read at a
+time (the next waits until it is done). Its tokens are those of an unchunked prefill.
+
 Documents (:mod:`kvbudget.serve.documents`): :meth:`Scheduler.submit_document` compresses a prompt
 prefix once, without a question, admitted like a request; requests naming it read its cache as a
 shared, read-only prefix (:func:`kvbudget.shared_prefix.share`) and prefill only their own tokens.
@@ -36,7 +41,7 @@ import gc
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,6 +66,7 @@ from kvbudget.serve.batcher import (
     prefill_sequence,
     reserved_bytes,
 )
+from kvbudget.serve.chunked_prefill import can_chunk, prefill_steps
 from kvbudget.serve.documents import Document, DocumentNotFound, new_document_id
 from kvbudget.serve.logs import log
 from kvbudget.shared_prefix import share
@@ -124,6 +130,8 @@ class Job:
     document_text: str | None = None
     #: the document this request reads
     document: Document | None = None
+    #: a chunked prefill in progress (:func:`kvbudget.serve.chunked_prefill.prefill_steps`)
+    steps: Iterator[int] | None = None
 
     def cancel(self) -> None:
         """Ask the worker to drop this request (before its next step)."""
@@ -152,6 +160,8 @@ class Scheduler:
             KVzip under a byte budget of 12.5% of the full cache's bytes).
         document_dir: where documents are also written (:mod:`kvbudget.serve.document_dir`), found
             again after a restart or by another replica, and reloaded after a memory squeeze.
+        chunk_tokens: prompts this long or longer are read in pieces while others decode (``None``:
+            never); chunk_layers: decoder layers a piece.
     """
 
     def __init__(
@@ -165,6 +175,8 @@ class Scheduler:
         metrics: Metrics | None = None,
         document_default: Compression | None = None,
         document_dir: Any = None,
+        chunk_tokens: int | None = 1024,
+        chunk_layers: int = 1,
     ) -> None:
         if memory_cap <= 0:
             raise InputError(f"the memory cap must be positive, got {memory_cap} bytes")
@@ -184,6 +196,10 @@ class Scheduler:
         self._turns: OrderedDict[tuple[int, ...], tuple[Turn, Compression, int]] = OrderedDict()
         self._documents: dict[str, Document] = {}
         self.document_dir = document_dir
+        if chunk_layers < 1:
+            raise InputError(f"a prefill piece holds at least one layer, got {chunk_layers}")
+        self.chunk_tokens, self.chunk_layers = chunk_tokens, chunk_layers
+        self._reading: Job | None = None  # the job whose prompt is being read in pieces
         if document_dir is not None:
             self._documents.update((d.id, d) for d in document_dir.find(model))
         self._lock = threading.Condition()
@@ -460,10 +476,13 @@ class Scheduler:
                 if not self._running:
                     break
                 self._drop_cancelled()
-                job = self._next_admissible()
+                job = self._next_admissible() if self._reading is None else None
             try:
                 if job is not None:
                     self._prefill(job)  # prefill first: admit all that fit, then decode them together
+                elif self._reading is not None:
+                    self._read_piece()  # one piece of a long prompt, then a step of the others
+                    self._step()
                 elif self._active:
                     self._step()
             except Exception as exc:  # a failed forward must not take the server down with it
@@ -481,6 +500,11 @@ class Scheduler:
         for job in self._active:
             if job.cancelled.is_set():
                 job.seq.cache = None  # freed now: nothing else refers to it
+                if job.steps is not None:  # a prompt being read: its partial cache goes with it
+                    job.steps.close()
+                    job.steps = None
+                if job is self._reading:
+                    self._reading = None
             else:
                 kept.append(job)
         self._active = kept
@@ -543,10 +567,42 @@ class Scheduler:
                 if doc.cache is None:
                     doc.cache = self.document_dir.load(doc, self.model)
                 job.reuse = Turn(doc.ids, share(doc.cache), doc.last_pos)
+            if self._chunked(job):
+                job.steps = prefill_steps(self.model, seq, self.pad_id, self.chunk_layers)
+                self._reading = job
+                self._read_piece()
+                return
             token = prefill_sequence(self.model, seq, self.pad_id, job.reuse)
         except Exception as exc:  # this request fails alone; the others keep decoding
             self._fail(job, exc)
             return
+        self._prefilled(job, token)
+
+    def _chunked(self, job: Job) -> bool:
+        """Read ``job``'s prompt in pieces: a long, fresh prompt while others are decoding."""
+        decoding = any(j is not job and j.seq.cache is not None for j in self._active)
+        return (
+            self.chunk_tokens is not None and job.reuse is None and decoding
+            and len(job.seq.prompt_ids) >= self.chunk_tokens and can_chunk(job.seq)
+        )  # fmt: skip
+
+    def _read_piece(self) -> None:
+        """The next piece of the prompt being read; when it is the last, the request's first token."""
+        job = self._reading
+        try:
+            next(job.steps)
+            return
+        except StopIteration:
+            pass
+        except Exception as exc:  # this request fails alone; the others keep decoding
+            job.steps, self._reading = None, None
+            self._fail(job, exc)
+            return
+        job.steps, self._reading = None, None
+        self._prefilled(job, job.seq.generated[-1])
+
+    def _prefilled(self, job: Job, token: int) -> None:
+        seq = job.seq
         job.first_token_at = time.perf_counter()
         self.metrics.ttft(job.first_token_at - job.submitted)
         with self._lock:
@@ -556,7 +612,7 @@ class Scheduler:
 
     def _step(self) -> None:
         with self._lock:
-            jobs = [j for j in self._active if not j.seq.finished]
+            jobs = [j for j in self._active if j.seq.cache is not None and not j.seq.finished]
         if not jobs:
             return
         start = time.perf_counter()
@@ -652,6 +708,11 @@ class Scheduler:
                 self._active.remove(job)
             job.seq.cache = None
             job.done = True
+            if job.steps is not None:
+                job.steps.close()
+                job.steps = None
+            if job is self._reading:
+                self._reading = None
             self._collect_documents()
         cause = str(exc) if isinstance(exc, KVBudgetError) else f"{type(exc).__name__}: {exc}"
         cause = " ".join(cause.split())[:300]

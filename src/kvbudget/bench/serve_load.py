@@ -82,6 +82,7 @@ class ServeBenchConfig:
     llama_server: str | None = None
     llama_cache_types: list[str] = field(default_factory=lambda: ["f16", "q8_0", "q4_0"])
     llama_threads: int = 2
+    chunk_tokens: int | None = 1024
 
 
 class _Counting(Metrics):
@@ -102,12 +103,15 @@ class _Counting(Metrics):
         self.inner.tokens(count)
 
 
-def _stream(base: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send one streamed completion; returns its text, TTFT, TPOT and usage (or its error)."""
+def stream_request(
+    base: str, body: dict[str, Any], timeout: float, path: str = "/v1/completions"
+) -> dict[str, Any]:
+    """Send one streamed completion (or chat completion, ``path="/v1/chat/completions"``); returns
+    its text, TTFT, TPOT and usage (or its error)."""
     url = urlparse(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     start = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
         error = json.loads(response.read() or b"{}").get("error", {}).get("message", "")
@@ -125,11 +129,12 @@ def _stream(base: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         if event.get("usage"):
             usage = event["usage"]
         for choice in event.get("choices", []):
-            if choice.get("text"):
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if piece:
                 now = time.perf_counter()
                 first = first if first is not None else now
                 last, chunks = now, chunks + 1
-                text.append(choice["text"])
+                text.append(piece)
     conn.close()
     tokens = usage.get("completion_tokens", chunks)
     tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
@@ -137,7 +142,7 @@ def _stream(base: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
             "usage": usage}  # fmt: skip
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -152,7 +157,7 @@ def run_one(
     registry, prometheus = prometheus_metrics()
     counting = _Counting(prometheus)
     scheduler = Scheduler(model, tokenizer, cap, compression, max_queue=max(64, config.requests),
-                          keep_turns=False, metrics=counting)  # fmt: skip
+                          keep_turns=False, metrics=counting, chunk_tokens=config.chunk_tokens)  # fmt: skip
     pending = list(range(len(samples)))
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
@@ -170,7 +175,7 @@ def run_one(
             body = {"model": "bench", "prompt": prompt.ids, "max_tokens": max_tokens, "stream": True,
                     "stream_options": {"include_usage": True},
                     "kvbudget": {"ignore_eos": config.ignore_eos or config.random_weights}}  # fmt: skip
-            out = _stream(base, body, timeout=max(60.0, deadline - time.monotonic()))
+            out = stream_request(base, body, timeout=max(60.0, deadline - time.monotonic()))
             if "text" in out and not config.random_weights:  # random weights answer nothing
                 out["score"] = float(task.metric(out["text"], sample.answers))
             with lock:
@@ -195,8 +200,8 @@ def run_one(
         "held_at_once": scheduler.peak_active, "peak_kv_bytes": scheduler.peak_held_bytes,
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
         "decode_tokens_per_s": counting.step_tokens / max(counting.step_seconds, 1e-9),
-        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
-        "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         "accuracy": statistics.fmean(r["score"] for r in scored) if scored else None,
     }  # fmt: skip
 
@@ -366,8 +371,8 @@ def llama_row(
         "answered": len(done), "errors": [r["error"] for r in run["requests"] if "error" in r][:5],
         "held_at_once": run["held_at_once"], "peak_kv_bytes": plan.kv_bytes, "tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall if wall else None, "decode_tokens_per_s": None,
-        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
-        "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         "accuracy": statistics.fmean(scores) if scores else None,
         "note": (f"llama.cpp ({kind}): llama-server {served} as it is (its 4-bit weights, not "
                  f"dequantized), {plan.slots} slots of {plan.slot_tokens} tokens, KV {kind} allocated up "
@@ -405,8 +410,8 @@ def openvino_rows(
             "errors": [r["error"] for r in run["requests"] if "error" in r][:5],
             "held_at_once": run["held_at_once"], "peak_kv_bytes": run["peak_kv_bytes"], "tokens": tokens,
             "wall_s": wall, "tokens_per_s": tokens / wall if wall else None, "decode_tokens_per_s": None,
-            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
-            "tpot_p50_s": _percentile(tpot, 0.5), "tpot_p99_s": _percentile(tpot, 0.99),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
             "accuracy": statistics.fmean(scores) if scores else None, "note": _openvino_note(document, run),
         })  # fmt: skip
     return rows

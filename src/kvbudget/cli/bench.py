@@ -181,6 +181,20 @@ def bench_serve(
         Path | None,
         typer.Option(help="OpenVINO IR folder of the model (default: the registry model's `openvino/`)."),
     ] = None,
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="needle: --requests prompts per method, as above; shared / multiturn: --clients clients "
+            "asking one document's questions (separate requests / one conversation each), served as a shared "
+            "compressed document, a shared full one and per request (docs/serving.md)."
+        ),
+    ] = "needle",
+    document_method: Annotated[
+        str, typer.Option(help="--workload shared/multiturn: the shared document's method and size.")
+    ] = "kvzip:memory=0.125",
+    chunk_tokens: Annotated[
+        int, typer.Option(help="Read prompts this long a layer at a time while others decode (0: never).")
+    ] = 1024,
     llama_server: Annotated[
         Path | None,
         typer.Option(
@@ -219,6 +233,21 @@ def bench_serve(
     if soak is not None:
         bench_soak(model, methods, memory_cap, clients, soak, check.dtype(dtype), device, out)
         return
+    check.at_least(chunk_tokens, 0, "--chunk-tokens")
+    if workload != "needle":
+        from kvbudget.bench.serve_shared import SharedBenchConfig, run_shared_bench
+
+        per_request = [m for m in split_values(methods) if m != "full"] or ["snapkv"]
+        config = SharedBenchConfig(
+            model=model, dtype=check.dtype(dtype), workload=workload,
+            task=task if task != "needle" else "sc_keys", length=length, clients=clients,
+            document_method=document_method, per_request_method=per_request[0],
+            ratio=ratio, cap_bytes=parse_size(memory_cap) if memory_cap else 1 << 30, time_limit_s=time_limit,
+            device=device,
+        )  # fmt: skip
+        report = run_shared_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
+        console.print(report.read_text())
+        return
     check.at_least(clients, 1, "--clients")
     check.at_least(requests, 1, "--requests")
     check.at_least(length, 64, "--length")
@@ -244,7 +273,7 @@ def bench_serve(
         openvino_python=str(openvino) if openvino else None,
         openvino_model=str(openvino_model) if openvino_model else None, device=device,
         random_weights=random_weights, llama_server=str(llama_server) if llama_server else None,
-        llama_cache_types=split_values([llama_cache_types]) or [],
+        llama_cache_types=split_values([llama_cache_types]) or [], chunk_tokens=chunk_tokens or None,
     )  # fmt: skip
     report = run_serve_bench(config, out, progress=lambda line: print(line, file=sys.stderr))
     console.print(report.read_text())

@@ -1,0 +1,255 @@
+"""``kvbudget bench serve --workload shared|multiturn``: many clients asking about one document.
+
+One shared-context sample (``sc_keys`` by default: a ``length``-token context with four planted
+facts and four questions about them, :mod:`kvbudget.eval.tasks.shared_context`) is served three
+ways, each under the same KV cap, each row a fresh server in this process:
+
+* ``document``: the document compressed once without a question (``POST /v1/kvbudget/documents``,
+  the server's document method, default KVzip under a byte budget of 12.5%), every question a
+  request naming it (the shared prefix, :mod:`kvbudget.serve.documents`);
+* ``document:full``: the same sharing with the document uncompressed (a prefix cache as vLLM's and
+  SGLang's: shared, full);
+* ``per-request`` (``--methods``' first compressed method, SnapKV by default): each question a
+  request carrying the whole document, compressed with that question in view, as without documents.
+
+``clients`` clients each ask the sample's questions (each client starting at another one):
+``shared`` as separate requests on the document (SCBench's multi-request), ``multiturn`` as one
+conversation each (every question after the model's own earlier answers; the server reuses the
+conversation's kept turn). The first request — the document's creation and a first question, alone
+— is timed apart from the others, which all run concurrently. Reported per row: the KV bytes held at
+the peak (the document's counted once), what the document itself takes, the first request's time and
+the others' TTFT (p50, p99, max; their max against the first's), TPOT p50/p99, accuracy on the first
+question and on the later ones, and the later ones' accuracy against ``document:full``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvbudget.bench.serve_load import percentile, stream_request
+from kvbudget.errors import InputError
+from kvbudget.eval.tasks import get_task
+from kvbudget.serve.app import create_app, prometheus_metrics, serving
+from kvbudget.serve.batcher import Compression
+from kvbudget.serve.scheduler import Scheduler
+from kvbudget.units import format_bytes
+
+WORKLOADS = ("shared", "multiturn")
+
+
+@dataclass
+class SharedBenchConfig:
+    """One run: ``modes`` (``document``, ``document:full``, ``per-request``) of ``workload``."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    workload: str = "shared"
+    task: str = "sc_keys"
+    length: int = 8192
+    sample: int = 0
+    clients: int = 8
+    modes: list[str] = field(default_factory=lambda: ["document", "document:full", "per-request"])
+    document_method: str = "kvzip:memory=0.125"
+    per_request_method: str = "snapkv"
+    ratio: float = 0.875
+    cap_bytes: int = 1 << 30
+    time_limit_s: float = 3600.0
+    seed: int = 0
+    device: str = "cpu"
+
+
+def _questions(sample) -> list[tuple[str, list[str], int]]:
+    first = [(sample.question, sample.answers, sample.max_new_tokens)]
+    return first + [(f.question, f.answers, f.max_new_tokens) for f in sample.follow_ups]
+
+
+def _body(mode: str, messages: list[dict], max_tokens: int, document: str | None, config) -> dict:
+    body: dict[str, Any] = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if document is not None:
+        body["kvbudget"] = {"document": document}
+    else:
+        body["kvbudget"] = {"method": config.per_request_method, "ratio": 1.0 - config.ratio}
+    return body
+
+
+def _ask_all(base: str, mode: str, config: SharedBenchConfig, sample, document: str | None,
+             order: list[int], metric) -> list[dict]:  # fmt: skip
+    """One client's questions in ``order``: separate requests (shared) or one conversation."""
+    questions, out, history = _questions(sample), [], []
+    for turn, q in enumerate(order):
+        question, answers, max_tokens = questions[q]
+        content = question if document is not None or (config.workload == "multiturn" and turn) else None
+        if content is None:
+            content = f"{sample.context}\n\n{question}"
+        if config.workload == "multiturn":
+            messages = [*history, {"role": "user", "content": content}]
+        else:
+            messages = [{"role": "user", "content": content}]
+        body = _body(mode, messages, max_tokens, document, config)
+        result = stream_request(base, body, config.time_limit_s,
+                                "/v1/chat/completions")  # fmt: skip
+        result.update(question=q, turn=turn)
+        if "text" in result:
+            result["score"] = float(metric(result["text"], answers))
+            history = [*messages, {"role": "assistant", "content": result["text"]}]
+        out.append(result)
+    return out
+
+
+def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, metric) -> dict[str, Any]:
+    """One row: a fresh server, the first request alone, then every client at once."""
+    document_default = Compression.from_spec(config.document_method, ratio=0.5)
+    registry, metrics = prometheus_metrics()
+    scheduler = Scheduler(model, tokenizer, config.cap_bytes, Compression("full"), max_queue=256,
+                          metrics=metrics, document_default=document_default)  # fmt: skip
+    n = len(_questions(sample))
+    with serving(create_app(scheduler, "bench", registry)) as base:
+        start = time.perf_counter()
+        document, doc_info = None, None
+        if mode.startswith("document"):
+            body: dict[str, Any] = {"text": sample.context}
+            if mode == "document:full":
+                body["method"] = "full"
+            doc_info = _post_json(base, "/v1/kvbudget/documents", body, config.time_limit_s)
+            document = doc_info["id"]
+        first = _ask_all(base, mode, config, sample, document, [0], metric)[0]
+        first_s = time.perf_counter() - start
+        results: list[dict] = []
+        lock = threading.Lock()
+
+        def client(c: int) -> None:
+            order = [(c + i) % n for i in range(n)]
+            if c == 0:
+                order = order[1:]  # its first question was the first request
+            got = _ask_all(base, mode, config, sample, document, order, metric)
+            with lock:
+                results.extend(got)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(config.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = scheduler.stats()
+    done = [r for r in results if "text" in r]
+    ttft = [r["ttft_s"] for r in done if r.get("ttft_s") is not None]
+    tpot = [r["tpot_s"] for r in [first, *done] if r.get("tpot_s") is not None]
+    asked_first = [r for r in [first, *done] if "score" in r and r["question"] == 0]
+    later = [r for r in [first, *done] if "score" in r and r["question"] != 0]
+    return {
+        "mode": mode, "label": _label(mode, config, doc_info), "requests": 1 + len(results),
+        "answered": int("text" in first) + len(done),
+        "errors": [r["error"] for r in [first, *results] if "error" in r][:5],
+        "peak_kv_bytes": scheduler.peak_held_bytes, "document_bytes": doc_info["kv_bytes"] if doc_info else 0,
+        "held_after_bytes": stats["held_bytes"], "compress_s": doc_info["compress_s"] if doc_info else None,
+        "first_s": first_s, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_max_s": max(ttft) if ttft else None,
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+        "accuracy_first_question": _mean(asked_first), "accuracy_later_questions": _mean(later),
+    }  # fmt: skip
+
+
+def _mean(rows: list[dict]) -> float | None:
+    return statistics.fmean(r["score"] for r in rows) if rows else None
+
+
+def _label(mode: str, config: SharedBenchConfig, doc_info: dict | None) -> str:
+    if mode == "per-request":
+        return f"{config.per_request_method} per request (ratio={1 - config.ratio:g})"
+    if mode == "document:full":
+        return "shared document, full (prefix cache)"
+    return f"shared document, {config.document_method}"
+
+
+def _post_json(base: str, path: str, body: dict, timeout: float) -> dict:
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    data = json.loads(response.read() or b"{}")
+    conn.close()
+    if response.status != 200:
+        raise InputError(f"{path}: HTTP {response.status}: {data.get('error', {}).get('message', '')}")
+    return data
+
+
+def run_shared_bench(
+    config: SharedBenchConfig, out: Path, model=None, tokenizer=None, progress=print
+) -> Path:
+    """Every mode of ``config``; writes ``out/serve-shared.json`` and ``out/serve-shared.md``."""
+    if config.workload not in WORKLOADS:
+        raise InputError(f"--workload takes needle, {', '.join(WORKLOADS)}; got {config.workload!r}")
+    unknown = [m for m in config.modes if m not in ("document", "document:full", "per-request")]
+    if unknown or not config.modes:
+        raise InputError(f"modes are document, document:full, per-request; got {', '.join(config.modes)}")
+    if config.clients < 1:
+        raise InputError("--clients must be ≥ 1")
+    Compression.from_spec(config.document_method, ratio=0.5)  # a bad spec fails before the model loads
+    task = get_task(config.task)
+    if model is None:
+        from kvbudget.models import load_model
+
+        model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
+    config = replace(config, device=str(model.device))
+    samples = list(task.make_samples(tokenizer, config.length, config.sample + 1, config.seed))
+    sample = samples[config.sample]
+    if not sample.follow_ups:
+        raise InputError(
+            f"--workload {config.workload} needs a shared-context task (sc_keys, …), not {task.name}"
+        )
+    rows = []
+    for mode in config.modes:
+        progress(f"bench serve --workload {config.workload}: {mode}, {config.clients} clients")
+        rows.append(run_mode(model, tokenizer, config, mode, sample, task.metric))
+    full = next((r for r in rows if r["mode"] == "document:full"), None)
+    for r in rows:
+        base = full and full["accuracy_later_questions"]
+        r["later_vs_full"] = (
+            r["accuracy_later_questions"] / base
+            if base and r["accuracy_later_questions"] is not None
+            else None
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve-shared.json").write_text(json.dumps({"config": asdict(config), "rows": rows}, indent=1))
+    (out / "serve-shared.md").write_text(markdown(config, rows))
+    return out / "serve-shared.md"
+
+
+def _f(value: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value * scale, fmt)
+
+
+def markdown(config: SharedBenchConfig, rows: list[dict]) -> str:
+    lines = [
+        f"`kvbudget bench serve --workload {config.workload}`: {config.model} ({config.dtype}) on "
+        f"{config.device}, "
+        f"{config.task} sample {config.sample} at {config.length} tokens, {config.clients} clients × "
+        f"{rows[0]['requests'] // max(1, config.clients) if rows else 0} questions, KV cap "
+        f"{format_bytes(config.cap_bytes)}.",
+        "",
+        "| serving | peak KV | document | first request | later TTFT p50 / p99 / max | max later ÷ first "
+        "| TPOT p50 / p99 | first question | later questions | later vs shared full | answered |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r["ttft_max_s"] / r["first_s"] if r["ttft_max_s"] is not None and r["first_s"] else None
+        lines.append(
+            f"| {r['label']} | {format_bytes(r['peak_kv_bytes'])} | {format_bytes(r['document_bytes'])} "
+            f"| {_f(r['first_s'], '.1f')} s | {_f(r['ttft_p50_s'], '.2f')} / {_f(r['ttft_p99_s'], '.2f')} / "
+            f"{_f(r['ttft_max_s'], '.2f')} s | {_f(ratio, '.0%', 1)} "
+            f"| {_f(r['tpot_p50_s'], '.0f', 1000)} / {_f(r['tpot_p99_s'], '.0f', 1000)} ms "
+            f"| {_f(r['accuracy_first_question'], '.0f', 100)}% "
+            f"| {_f(r['accuracy_later_questions'], '.0f', 100)}% "
+            f"| {_f(r['later_vs_full'], '.0%', 1)} | {r['answered']} / {r['requests']} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -27,10 +27,11 @@ def test_one_documents_questions_served_three_ways(tmp_path) -> None:
     config = SharedBenchConfig(
         model="tiny", dtype="float32", workload="shared", task="sc_keys", length=6000, clients=2,
         document_method="expected-attention:kv_bits=4", per_request_method="snapkv:window=8", ratio=0.75,
+        modes=["document", "document:full", "per-request", "document:reload"],
     )  # fmt: skip
     report = run_shared_bench(config, tmp_path, model=model, tokenizer=tokenizer, progress=lambda _: None)
     rows = {r["mode"]: r for r in json.loads((tmp_path / "serve-shared.json").read_text())["rows"]}
-    assert list(rows) == ["document", "document:full", "per-request"]
+    assert list(rows) == ["document", "document:full", "per-request", "document:reload"]
     for r in rows.values():
         assert r["requests"] == 8 and r["answered"] == 8 and not r["errors"]  # 2 clients x 4 questions
         assert r["first_s"] > 0 and r["ttft_p50_s"] > 0 and 0.0 <= r["accuracy_later_questions"] <= 1.0
@@ -40,6 +41,9 @@ def test_one_documents_questions_served_three_ways(tmp_path) -> None:
     for r in (doc, full):
         assert r["document_bytes"] <= r["peak_kv_bytes"] < 2 * r["document_bytes"]
     assert full["later_vs_full"] == (1.0 if full["accuracy_later_questions"] else None)  # none of a 0
+    reload = rows["document:reload"]  # loaded from disk by a new server: the same document, answers
+    assert reload["document_bytes"] == doc["document_bytes"]
+    assert reload["accuracy_later_questions"] == doc["accuracy_later_questions"]
     text = report.read_text()
     assert "shared document, expected-attention:kv_bits=4" in text and "snapkv:window=8 per request" in text
 

@@ -10,7 +10,10 @@ ways, each under the same KV cap, each row a fresh server in this process:
 * ``document:full``: the same sharing with the document uncompressed (a prefix cache as vLLM's and
   SGLang's: shared, full);
 * ``per-request`` (``--methods``' first compressed method, SnapKV by default): each question a
-  request carrying the whole document, compressed with that question in view, as without documents.
+  request carrying the whole document, compressed with that question in view, as without documents;
+* ``document:reload``: the compressed document written to a cache directory by one server, which
+  stops; a new server on the same directory answers — its first request loads the document from
+  disk instead of prefilling and compressing it (``kvbudget serve --cache-dir``).
 
 ``clients`` clients each ask the sample's questions (each client starting at another one):
 ``shared`` as separate requests on the document (SCBench's multi-request), ``multiturn`` as one
@@ -25,7 +28,9 @@ question and on the later ones, and the later ones' accuracy against ``document:
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -37,10 +42,12 @@ from kvbudget.errors import InputError
 from kvbudget.eval.tasks import get_task
 from kvbudget.serve.app import create_app, prometheus_metrics, serving
 from kvbudget.serve.batcher import Compression
+from kvbudget.serve.document_dir import DocumentDir
 from kvbudget.serve.scheduler import Scheduler
 from kvbudget.units import format_bytes
 
 WORKLOADS = ("shared", "multiturn")
+MODES = ("document", "document:reload", "document:full", "per-request")
 
 
 @dataclass
@@ -54,7 +61,7 @@ class SharedBenchConfig:
     length: int = 8192
     sample: int = 0
     clients: int = 8
-    modes: list[str] = field(default_factory=lambda: ["document", "document:full", "per-request"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
     document_method: str = "kvzip:memory=0.125"
     per_request_method: str = "snapkv"
     ratio: float = 0.875
@@ -103,17 +110,32 @@ def _ask_all(base: str, mode: str, config: SharedBenchConfig, sample, document: 
     return out
 
 
+def _scheduler(model, tokenizer, config: SharedBenchConfig, folder: Path | None = None):
+    registry, metrics = prometheus_metrics()
+    scheduler = Scheduler(
+        model, tokenizer, config.cap_bytes, Compression("full"), max_queue=256, metrics=metrics,
+        document_default=Compression.from_spec(config.document_method, ratio=0.5),
+        document_dir=DocumentDir(folder, 1 << 40) if folder is not None else None,
+    )  # fmt: skip
+    return scheduler, registry
+
+
 def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, metric) -> dict[str, Any]:
     """One row: a fresh server, the first request alone, then every client at once."""
-    document_default = Compression.from_spec(config.document_method, ratio=0.5)
-    registry, metrics = prometheus_metrics()
-    scheduler = Scheduler(model, tokenizer, config.cap_bytes, Compression("full"), max_queue=256,
-                          metrics=metrics, document_default=document_default)  # fmt: skip
+    folder = Path(tempfile.mkdtemp(prefix="kvbudget-bench-docs-")) if mode == "document:reload" else None
+    document, doc_info = None, None
+    if folder is not None:  # made and written by a server that then stops
+        scheduler, registry = _scheduler(model, tokenizer, config, folder)
+        with serving(create_app(scheduler, "bench", registry)) as base:
+            doc_info = _post_json(
+                base, "/v1/kvbudget/documents", {"text": sample.context}, config.time_limit_s
+            )
+            document = doc_info["id"]
+    scheduler, registry = _scheduler(model, tokenizer, config, folder)
     n = len(_questions(sample))
     with serving(create_app(scheduler, "bench", registry)) as base:
         start = time.perf_counter()
-        document, doc_info = None, None
-        if mode.startswith("document"):
+        if mode in ("document", "document:full"):
             body: dict[str, Any] = {"text": sample.context}
             if mode == "document:full":
                 body["method"] = "full"
@@ -138,6 +160,8 @@ def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, met
         for t in threads:
             t.join()
         stats = scheduler.stats()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
     done = [r for r in results if "text" in r]
     ttft = [r["ttft_s"] for r in done if r.get("ttft_s") is not None]
     tpot = [r["tpot_s"] for r in [first, *done] if r.get("tpot_s") is not None]
@@ -165,6 +189,8 @@ def _label(mode: str, config: SharedBenchConfig, doc_info: dict | None) -> str:
         return f"{config.per_request_method} per request (ratio={1 - config.ratio:g})"
     if mode == "document:full":
         return "shared document, full (prefix cache)"
+    if mode == "document:reload":
+        return f"shared document, {config.document_method}, loaded from --cache-dir after a restart"
     return f"shared document, {config.document_method}"
 
 
@@ -189,9 +215,9 @@ def run_shared_bench(
     """Every mode of ``config``; writes ``out/serve-shared.json`` and ``out/serve-shared.md``."""
     if config.workload not in WORKLOADS:
         raise InputError(f"--workload takes needle, {', '.join(WORKLOADS)}; got {config.workload!r}")
-    unknown = [m for m in config.modes if m not in ("document", "document:full", "per-request")]
+    unknown = [m for m in config.modes if m not in MODES]
     if unknown or not config.modes:
-        raise InputError(f"modes are document, document:full, per-request; got {', '.join(config.modes)}")
+        raise InputError(f"modes are {', '.join(MODES)}; got {', '.join(config.modes)}")
     if config.clients < 1:
         raise InputError("--clients must be ≥ 1")
     Compression.from_spec(config.document_method, ratio=0.5)  # a bad spec fails before the model loads

@@ -189,6 +189,13 @@ def bench_serve(
             "compressed document, a shared full one and per request (docs/serving.md)."
         ),
     ] = "needle",
+    modes: Annotated[
+        str,
+        typer.Option(
+            help="--workload shared/multiturn: document, document:reload, document:full, per-request "
+            "(comma-separated)."
+        ),
+    ] = "document,document:reload,document:full,per-request",
     document_method: Annotated[
         str, typer.Option(help="--workload shared/multiturn: the shared document's method and size.")
     ] = "kvzip:memory=0.125",
@@ -242,6 +249,7 @@ def bench_serve(
             model=model, dtype=check.dtype(dtype), workload=workload,
             task=task if task != "needle" else "sc_keys", length=length, clients=clients,
             document_method=document_method, per_request_method=per_request[0],
+            modes=split_values([modes]),
             ratio=ratio, cap_bytes=parse_size(memory_cap) if memory_cap else 1 << 30, time_limit_s=time_limit,
             device=device,
         )  # fmt: skip

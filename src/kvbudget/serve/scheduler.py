@@ -260,12 +260,17 @@ class Scheduler:
             prompt_ids, max_tokens, self.eos, compression, temperature, top_p, seed, method, ignore_eos
         )
         job = Job(seq, sink, tuple(stop), request_id=request_id, document=document)
+        return self._enqueue(job, "the request", ": use a smaller prompt, max_tokens or budget")
+
+    def _enqueue(self, job: Job, what: str, advice: str = "") -> Job:
+        """Queue ``job`` unless it could never fit (:class:`TooLarge`) or the queue is full."""
         with self._lock:
-            need = self._peak(job, self._find_turn(prompt_ids, compression))
+            turn = None if job.creates else self._find_turn(job.seq.prompt_ids, job.seq.compression)
+            need = self._peak(job, turn)
             if need > self.memory_cap:
                 raise TooLarge(
-                    f"the request needs up to {need} bytes of KV cache, more than the server's cap of "
-                    f"{self.memory_cap} bytes: use a smaller prompt, max_tokens or budget"
+                    f"{what} needs up to {need} bytes of KV cache, more than the server's cap of "
+                    f"{self.memory_cap} bytes{advice}"
                 )
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting): retry later")
@@ -306,18 +311,7 @@ class Scheduler:
             memory_budget(self.model, method, compression.memory, len(ids))
         seq = make_sequence(ids, 1, self.eos, compression, method=method)
         job = Job(seq, sink, request_id=request_id, creates=new_document_id(), document_text=text)
-        with self._lock:
-            need = self._peak(job, None)
-            if need > self.memory_cap:
-                raise TooLarge(
-                    f"compressing the document needs up to {need} bytes of KV cache, more than the "
-                    f"server's cap of {self.memory_cap} bytes"
-                )
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting): retry later")
-            self._queue.append(job)
-            self._lock.notify()
-        return job
+        return self._enqueue(job, "compressing the document")
 
     def document(self, document_id: str) -> Document:
         """The live document ``document_id`` (looked for in the cache directory too: another replica

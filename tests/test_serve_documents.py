@@ -165,3 +165,46 @@ def test_bad_requests_on_documents_are_refused_in_one_line(server) -> None:
         )  # fmt: skip
     assert "begins with the user's message" in system_first.value.body["message"]
     assert httpx.delete(base + "/v1/kvbudget/documents/doc-none", timeout=30).status_code == 404
+
+
+SYSTEM = "You answer questions about this manual. " + DOCUMENT[:300]
+
+
+def test_requests_with_one_long_system_prompt_share_it_compressed_once(model_and_tokenizer) -> None:
+    """A long system prompt followed by a short question: compressed once with the server's document
+    method, shared by every request beginning with it; the answers are the full cache's when the
+    document method is ``full``, and a request whose rest is longer than its system prompt is served
+    as usual."""
+    model, tokenizer = model_and_tokenizer
+
+    def serve(share):
+        scheduler = Scheduler(model, tokenizer, 64 << 20, default=Compression("full"),
+                              document_default=Compression("full"))  # fmt: skip
+        return scheduler, serving(create_app(scheduler, NAME, share_prefix_tokens=share))
+
+    def ask(base, question):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        return _client(base).chat.completions.create(model=NAME, messages=messages, max_tokens=TOKENS)
+
+    _, plain = serve(None)
+    with plain as base:
+        expected = {q: ask(base, q).choices[0].message.content for q in QUESTIONS}
+    scheduler, shared = serve(64)
+    with shared as base:
+        answers: dict[str, object] = {}
+        threads = [
+            threading.Thread(target=lambda q=q: answers.__setitem__(q, ask(base, q))) for q in QUESTIONS
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        (doc,) = httpx.get(base + "/v1/kvbudget/documents", timeout=30).json()["data"]
+        assert doc["tokens"] >= 64 and not doc["pending"]
+        for q in QUESTIONS:
+            usage = answers[q].usage.model_extra["kvbudget"]
+            assert answers[q].choices[0].message.content == expected[q]
+            assert usage["document"] == doc["id"] and usage["reused_tokens"] == doc["tokens"]
+        assert _gauge(base, "kvbudget_kv_bytes_documents") == doc["kv_bytes"]
+        long_rest = ask(base, DOCUMENT[:420])  # longer than the system prompt: not shared
+        assert long_rest.usage.model_extra["kvbudget"]["document"] is None

@@ -46,6 +46,14 @@ def serve(
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",
+    share_prefix_tokens: Annotated[
+        int,
+        typer.Option(
+            help="A chat's leading system messages of at least this many tokens, followed by fewer, are "
+            "compressed once with --document-method and shared by every request that begins with them "
+            "(0: never)."
+        ),
+    ] = 512,
     chunk_tokens: Annotated[
         int,
         typer.Option(
@@ -123,6 +131,7 @@ def serve(
     check_memory(memory, budget, ratio, bits)
     check.at_least(max_queue, 1, "--max-queue")
     check.at_least(chunk_tokens, 0, "--chunk-tokens")
+    check.at_least(share_prefix_tokens, 0, "--share-prefix-tokens")
     check.at_least(chunk_layers, 1, "--chunk-layers")
     check.at_least(max_prompt_tokens, 1, "--max-prompt-tokens")
     if log_level not in LEVELS:
@@ -158,6 +167,12 @@ def serve(
     log.info("serving %s on http://%s:%s/v1 — default %s, KV cap %s", name, host, port, default.label(),
              format_bytes(cap))  # fmt: skip
     app = create_app(
-        scheduler, name, registry, api_key, max_body=body_limit, max_prompt_tokens=max_prompt_tokens
+        scheduler,
+        name,
+        registry,
+        api_key,
+        max_body=body_limit,
+        max_prompt_tokens=max_prompt_tokens,
+        share_prefix_tokens=share_prefix_tokens or None,
     )
     uvicorn.run(app, host=host, port=port, log_config=log_config(log_level), access_log=False)

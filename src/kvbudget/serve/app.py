@@ -88,12 +88,15 @@ def create_app(
     api_key: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     max_prompt_tokens: int | None = None,
+    share_prefix_tokens: int | None = 512,
 ) -> Any:
     """The Starlette app serving ``scheduler``'s model as ``model_name``. ``registry``: the
     Prometheus registry of :func:`prometheus_metrics` (a fresh one when ``None``: its histograms
     then stay empty). ``max_body``: bytes a request body may have (larger: 413, before parsing);
-    ``max_prompt_tokens``: tokens a prompt may have (default: the model's context). The scheduler is
-    started with the app and stopped with it."""
+    ``max_prompt_tokens``: tokens a prompt may have (default: the model's context).
+    ``share_prefix_tokens``: a chat's leading system messages of at least this many tokens, followed
+    by fewer, are compressed once and shared by every request that begins with them (``None``:
+    never). The scheduler is started with the app and stopped with it."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
     from starlette.applications import Starlette
     from starlette.requests import Request as HTTPRequest
@@ -177,7 +180,7 @@ def create_app(
             job = scheduler.submit(
                 parsed.prompt_ids, sink, max_tokens=parsed.max_tokens, compression=parsed.compression,
                 temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed, stop=parsed.stop,
-                ignore_eos=parsed.ignore_eos, request_id=rid,
+                ignore_eos=parsed.ignore_eos, request_id=rid, shared_prefix=parsed.shared_prefix,
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - each kind is one line with its status
             raise submit_error(exc) from None
@@ -259,7 +262,14 @@ def create_app(
         try:
             raw = await read_body(request, max_body)
             parsed = parse_request(
-                endpoint, raw, model_name, tokenizer, scheduler.default, prompt_limit, scheduler.document
+                endpoint,
+                raw,
+                model_name,
+                tokenizer,
+                scheduler.default,
+                prompt_limit,
+                scheduler.document,
+                share_prefix_tokens,
             )
             record(request)["prompt_tokens"] = len(parsed.prompt_ids)
             job, events = submit(parsed, rid)

@@ -47,6 +47,8 @@ class Document:
         deleted: deleted by its owner; freed once ``users`` is 0.
         stored_bytes: its cache's bytes in memory when it was made (what loading it takes).
         saved: its files are in the server's cache directory.
+        pending: its compression is queued (a shared prefix a request just named): requests on it
+            wait for it.
     """
 
     id: str
@@ -61,6 +63,7 @@ class Document:
     deleted: bool = False
     stored_bytes: int = 0
     saved: bool = False
+    pending: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -75,5 +78,5 @@ class Document:
             "method": comp.method, "budget": comp.budget, "ratio": comp.ratio, "kv_bits": comp.kv_bits,
             "memory": comp.memory, "kv_bytes": self.nbytes or self.stored_bytes,
             "compress_s": round(self.compress_s, 3), "conversations": self.users,
-            "in_memory": self.cache is not None, "on_disk": self.saved,
+            "in_memory": self.cache is not None, "on_disk": self.saved, "pending": self.pending,
         }  # fmt: skip

@@ -88,6 +88,9 @@ class Request:
     include_usage: bool
     compression: Compression
     ignore_eos: bool = False
+    #: the prompt's first ``shared_prefix`` ids are a long system prompt the server may share
+    #: (:func:`system_prefix_ids`); 0: none
+    shared_prefix: int = 0
 
 
 def parse_request(
@@ -98,12 +101,16 @@ def parse_request(
     default: Compression,
     max_prompt_tokens: int,
     documents: Callable[[str], Document] | None = None,
+    share_prefix_tokens: int | None = None,
 ) -> Request:
     """Validate the raw body of ``endpoint`` (``"chat"`` or ``"completions"``) against the schema
     (:mod:`kvbudget.serve.schema`) and tokenize its prompt, refusing one of more than
     ``max_prompt_tokens`` tokens as soon as the count passes it (:func:`refuse_over_limit`).
     ``documents`` finds a document a request names (:class:`DocumentNotFound` when none): the
-    prompt is then the document's tokens followed by the request's (:func:`document_prompt_ids`)."""
+    prompt is then the document's tokens followed by the request's (:func:`document_prompt_ids`).
+    ``share_prefix_tokens``: a chat whose leading system messages render to at least this many
+    tokens, and whose rest is shorter, marks them as a prefix the server shares
+    (:func:`system_prefix_ids`)."""
     schema = ChatRequest if endpoint == "chat" else CompletionRequest
     try:
         body = schema.model_validate_json(raw or b"null")
@@ -114,6 +121,7 @@ def parse_request(
         message = f"the model {quote(body.model)} does not exist: this server serves '{model_name}'"
         raise APIError(404, message, "model", "model_not_found")
     document_id = body.kvbudget.document if body.kvbudget is not None else None
+    shared = 0
     if document_id is not None:
         try:
             document = (documents or _no_documents)(document_id)
@@ -124,6 +132,11 @@ def parse_request(
     else:
         compression = resolve_compression(body.kvbudget, default)
         ids = (_chat_ids if endpoint == "chat" else _completion_ids)(body, tokenizer, max_prompt_tokens)
+        if endpoint == "chat" and share_prefix_tokens:
+            split = system_prefix_ids(body, tokenizer, share_prefix_tokens)
+            if split is not None:
+                ids, shared = check_prompt_tokens(split[0] + split[1], max_prompt_tokens, "the conversation",
+                                                  "messages"), len(split[0])  # fmt: skip
     max_tokens = body.answer_limit() if endpoint == "chat" else body.max_tokens
     options = body.stream_options
     return Request(
@@ -133,7 +146,7 @@ def parse_request(
         top_p=body.top_p if body.top_p is not None else 1.0,
         seed=body.seed if body.seed is not None else 0, stop=body.stops(), stream=bool(body.stream),
         include_usage=bool(options and options.include_usage), compression=compression,
-        ignore_eos=bool(body.kvbudget and body.kvbudget.ignore_eos),
+        ignore_eos=bool(body.kvbudget and body.kvbudget.ignore_eos), shared_prefix=shared,
     )  # fmt: skip
 
 
@@ -176,6 +189,28 @@ def document_prompt_ids(
         else:
             own = _completion_ids(body, tokenizer, limit)
     return check_prompt_tokens([*document.ids, *own], limit, "the document and the prompt", "prompt")
+
+
+def system_prefix_ids(
+    body: ChatRequest, tokenizer: PreTrainedTokenizerBase, minimum: int
+) -> tuple[list[int], list[int]] | None:
+    """A chat's leading system messages as a shareable prefix: (their ids — the template rendered up
+    to their end, tokenized alone —, the rest's ids), when they take at least ``minimum`` tokens and
+    the rest fewer; else ``None`` (a long message after them is compressed with the prompt, as
+    usual: only the rest of a shared prefix's prompt is kept as it is)."""
+    rendered = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+    k = next((i for i, m in enumerate(rendered) if m["role"] != "system"), len(rendered))
+    if k == 0 or k == len(rendered) or not tokenizer.chat_template:
+        return None
+    head = tokenizer.apply_chat_template(rendered[:k], tokenize=False, add_generation_prompt=False)
+    whole = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    if not whole.startswith(head):
+        return None
+    head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    rest_ids = tokenizer(whole[len(head) :], add_special_tokens=False)["input_ids"]
+    if len(head_ids) < minimum or len(rest_ids) >= len(head_ids):
+        return None
+    return list(head_ids), list(rest_ids)
 
 
 def parse_document_request(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import hashlib
 import threading
 import time
 from collections import OrderedDict, deque
@@ -234,11 +235,18 @@ class Scheduler:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         request_id: str = "-",
+        shared_prefix: int = 0,
     ) -> Job:
         """Queue a request; one-line errors (before any model work) for a bad or oversized one (the
         method's own minimum for this prompt as ``kvbudget.generate`` checks it), and
-        :class:`QueueFull` when the queue is full. ``request_id`` names it in the log."""
+        :class:`QueueFull` when the queue is full. ``request_id`` names it in the log.
+        ``shared_prefix``: the prompt's first ids are a prefix every request beginning with them
+        shares (a long system prompt): a document the server compresses once (its id the prefix's
+        hash), the request's own tokens after it kept as they are."""
         compression = compression or self.default
+        if shared_prefix and compression.document is None:
+            document_id = self._shared_document(prompt_ids[:shared_prefix], request_id)
+            compression = replace(compression, document=document_id)
         if len(prompt_ids) + max_tokens > self.max_context:
             raise InputError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
@@ -288,6 +296,20 @@ class Scheduler:
             )
         return method
 
+    def _shared_document(self, ids: list[int], request_id: str) -> str:
+        """The id of the document a shared prefix ``ids`` is: found (in memory or the cache
+        directory), or queued for compression now, with the server's document method; requests on
+        it wait for it."""
+        key = hashlib.sha256(f"{self.document_default}:{ids}".encode()).hexdigest()[:24]
+        document_id = f"doc-{key}"
+        with self._lock:
+            try:
+                return self.document(document_id).id
+            except DocumentNotFound:
+                pass
+            self.submit_document(ids, lambda event: None, request_id=request_id, document_id=document_id)
+        return document_id
+
     def submit_document(
         self,
         ids: list[int],
@@ -295,10 +317,12 @@ class Scheduler:
         compression: Compression | None = None,
         text: str | None = None,
         request_id: str = "-",
+        document_id: str | None = None,
     ) -> Job:
         """Queue the compression of a document (``ids``, made from ``text`` if given), admitted like a
         request; ``sink`` then receives ``{"document": info}`` (or ``{"error": ...}``). One-line
-        errors before any model work, as :meth:`submit`."""
+        errors before any model work, as :meth:`submit`. ``document_id``: a shared prefix's (the
+        document is listed at once, pending, so that requests on it wait for it)."""
         compression = compression or self.document_default
         if not ids:
             raise InputError("the document is empty")
@@ -310,8 +334,16 @@ class Scheduler:
         if compression.memory is not None:
             memory_budget(self.model, method, compression.memory, len(ids))
         seq = make_sequence(ids, 1, self.eos, compression, method=method)
-        job = Job(seq, sink, request_id=request_id, creates=new_document_id(), document_text=text)
-        return self._enqueue(job, "compressing the document")
+        job = Job(
+            seq, sink, request_id=request_id, creates=document_id or new_document_id(), document_text=text
+        )
+        with self._lock:
+            self._enqueue(job, "compressing the document")
+            if document_id is not None:
+                self._documents[document_id] = Document(
+                    document_id, tuple(ids), text, None, len(ids) - 1, compression, 0.0, pending=True
+                )
+        return job
 
     def document(self, document_id: str) -> Document:
         """The live document ``document_id`` (looked for in the cache directory too: another replica
@@ -374,12 +406,19 @@ class Scheduler:
         seq, start = job.seq, time.perf_counter()
         try:
             prefill_sequence(self.model, seq, self.pad_id)
-        except Exception as exc:  # this document fails alone
+        except Exception as exc:  # this document fails alone, and the requests waiting for it
+            with self._lock:
+                pending = self._documents.get(job.creates)
+                if pending is not None and pending.pending:
+                    del self._documents[job.creates]
             self._fail(job, exc)
             return
         seq.cache.session = None  # read from now on, never compressed again
-        doc = Document(job.creates, tuple(seq.prompt_ids), job.document_text, seq.cache, seq.last_pos,
-                       seq.compression, time.perf_counter() - start)  # fmt: skip
+        doc = self._documents.get(job.creates)
+        if doc is None or not doc.pending:
+            doc = Document(job.creates, tuple(seq.prompt_ids), job.document_text, None, seq.last_pos,
+                           seq.compression, 0.0)  # fmt: skip
+        doc.cache, doc.compress_s, doc.pending = seq.cache, time.perf_counter() - start, False
         if self.document_dir is not None:
             try:
                 self.document_dir.save(doc, self.model)
@@ -524,11 +563,13 @@ class Scheduler:
             return None
         job = self._queue[0]
         doc = job.document
-        if doc is not None and doc.id not in self._documents:
-            self._queue.popleft()  # its document was deleted (and freed) while it waited
+        if doc is not None and self._documents.get(doc.id) is not doc:
+            self._queue.popleft()  # its document was deleted (and freed), or failed, while it waited
             job.done = True
-            job.sink({"error": f"document {doc.id} was deleted"})
+            job.sink({"error": f"document {doc.id} was deleted or could not be compressed"})
             return None
+        if doc is not None and doc.pending:
+            return None  # its compression is queued ahead of it
         kept = None if job.creates else self._find_turn(job.seq.prompt_ids, job.seq.compression)
         if kept is not None:  # taken over: its bytes move from the store into the job's reservation
             self._turns.pop(kept.ids)

@@ -208,3 +208,10 @@ def test_requests_with_one_long_system_prompt_share_it_compressed_once(model_and
         assert _gauge(base, "kvbudget_kv_bytes_documents") == doc["kv_bytes"]
         long_rest = ask(base, DOCUMENT[:420])  # longer than the system prompt: not shared
         assert long_rest.usage.model_extra["kvbudget"]["document"] is None
+        own = _client(base).chat.completions.create(  # its own compression asked for: not shared
+            model=NAME,
+            max_tokens=2,
+            extra_body={"kvbudget": {"method": "snapkv:window=8", "budget": 64}},
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
+        )
+        assert own.usage.model_extra["kvbudget"]["document"] is None

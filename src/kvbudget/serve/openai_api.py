@@ -132,7 +132,10 @@ def parse_request(
     else:
         compression = resolve_compression(body.kvbudget, default)
         ids = (_chat_ids if endpoint == "chat" else _completion_ids)(body, tokenizer, max_prompt_tokens)
-        if endpoint == "chat" and share_prefix_tokens:
+        options = body.kvbudget
+        asked = options is not None and (options.method, options.budget, options.ratio, options.kv_bits,
+                                         options.memory) != (None,) * 5  # fmt: skip
+        if endpoint == "chat" and share_prefix_tokens and not asked:  # its own compression: as asked
             split = system_prefix_ids(body, tokenizer, share_prefix_tokens)
             if split is not None:
                 ids, shared = check_prompt_tokens(split[0] + split[1], max_prompt_tokens, "the conversation",

@@ -246,7 +246,8 @@ class Scheduler:
         compression = compression or self.default
         if shared_prefix and compression.document is None:
             document_id = self._shared_document(prompt_ids[:shared_prefix], request_id)
-            compression = replace(compression, document=document_id)
+            if document_id is not None:
+                compression = replace(compression, document=document_id)
         if len(prompt_ids) + max_tokens > self.max_context:
             raise InputError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
@@ -296,10 +297,11 @@ class Scheduler:
             )
         return method
 
-    def _shared_document(self, ids: list[int], request_id: str) -> str:
+    def _shared_document(self, ids: list[int], request_id: str) -> str | None:
         """The id of the document a shared prefix ``ids`` is: found (in memory or the cache
         directory), or queued for compression now, with the server's document method; requests on
-        it wait for it."""
+        it wait for it. ``None`` when the document method cannot compress it (the request is then
+        served as any other)."""
         key = hashlib.sha256(f"{self.document_default}:{ids}".encode()).hexdigest()[:24]
         document_id = f"doc-{key}"
         with self._lock:
@@ -307,7 +309,12 @@ class Scheduler:
                 return self.document(document_id).id
             except DocumentNotFound:
                 pass
-            self.submit_document(ids, lambda event: None, request_id=request_id, document_id=document_id)
+            try:
+                self.submit_document(ids, lambda event: None, request_id=request_id, document_id=document_id)
+            except QueueFull:
+                raise
+            except KVBudgetError:
+                return None
         return document_id
 
     def submit_document(

@@ -13,6 +13,7 @@ import torch
 
 import kvbudget
 from conftest import seeded, tiny_model, tiny_tokenizer
+from kvbudget.cache import BudgetCache
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.quantized_store import QuantizedHead
@@ -205,6 +206,30 @@ def test_every_method_runs_with_4_bit_storage(name, llama, chat_tokenizer):
     layers = [layer for layer in run.cache.layers if layer.is_initialized]
     assert layers and all(layer.quant is not None for layer in layers)
     assert all(head.bits == 4 for layer in layers for head in layer.quant)
+
+
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_layers_quantized_during_the_prefill_store_what_quantizing_after_it_stores(
+    name, llama, chat_tokenizer, monkeypatch
+):
+    """A method that never reads a layer again once the next is prefilled has each layer quantized
+    then (one layer in full precision at the prefill's peak, not all): the same stored entries and
+    tokens as quantizing every layer once the prefill is done, at a lower peak."""
+
+    def run(early: bool):
+        monkeypatch.setattr(BudgetCache, "quantize_early", early)
+        return kvbudget.generate(llama, chat_tokenizer, CONTEXT, QUESTION, method=small(name), budget=40,
+                                 max_new_tokens=6, kv_bits=4, return_cache=True)  # fmt: skip
+
+    late, early = run(False), run(True)
+    assert early.token_ids == late.token_ids
+    for mine, theirs in zip(early.cache.layers, late.cache.layers, strict=True):
+        for a, b in zip(mine.quant or [], theirs.quant or [], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a.dequantize(), b.dequantize(), strict=True))
+    if small(name).quantizes_during_prefill:
+        assert early.cache.peak_physical_bytes < late.cache.peak_physical_bytes
+    else:
+        assert early.cache.peak_physical_bytes == late.cache.peak_physical_bytes
 
 
 def test_compressing_cache_in_generate_equals_kvbudget_generate(llama, tokenizer):

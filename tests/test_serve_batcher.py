@@ -130,6 +130,10 @@ def test_memory_bounds_hold_what_the_caches_really_hold(setup) -> None:
         Compression("snapkv:window=8", budget=16),
         Compression("full"),
         Compression("ada-snapkv:window=8", ratio=0.5),
+        Compression("full", kv_bits=4),  # each layer quantized once done: one in fp32 at a time
+        Compression("snapkv:window=8", budget=16, kv_bits=4),
+        Compression("h2o", budget=24, kv_bits=2),
+        Compression("snapkv:window=8", memory=0.3),
     ):
         seq = make_sequence(build_prompt(tokenizer, TEXTS[3]).ids, 10, set(), comp)
         peak = prefill_peak_bytes(model, seq)
@@ -145,6 +149,8 @@ def test_memory_bounds_hold_what_the_caches_really_hold(setup) -> None:
     )
     full = make_sequence(build_prompt(tokenizer, TEXTS[3]).ids, 10, eos, Compression("full"))
     assert prefill_peak_bytes(model, compressed) < prefill_peak_bytes(model, full)
+    four_bit = make_sequence(build_prompt(tokenizer, TEXTS[3]).ids, 10, eos, Compression("full", kv_bits=4))
+    assert prefill_peak_bytes(model, four_bit) < prefill_peak_bytes(model, full)
 
 
 def test_bad_sequences_and_rows_are_refused_with_one_line(setup) -> None:

@@ -908,6 +908,11 @@ class BudgetCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
+        if layer_idx > 0 and self._quantize_early():  # the layer before is done: stored quantized now
+            done = self.layers[layer_idx - 1]
+            if done.quant is None and done.is_initialized:
+                done.quantize(self.kv_bits, self.group)
+                self.note_memory(layer_idx - 1)
         if layer.quant is None and self._may_quantize():
             if self._memory() is not None:
                 self.quantize()  # every layer at once: the byte budget is over the whole cache
@@ -937,6 +942,23 @@ class BudgetCache(Cache):
         if self._kv_bits is not None:
             return self._kv_bits
         return check_kv_bits(getattr(self.session, "kv_bits", None))
+
+    #: quantize each layer as soon as its prefill is done, when the method allows (see
+    #: :meth:`_quantize_early`); ``False`` keeps every layer in the model's dtype until the prefill ends
+    quantize_early: bool = True
+
+    def _quantize_early(self) -> bool:
+        """Whether a layer whose prefill is done may be stored quantized before the prefill ends: a
+        prefill at ``kv_bits`` (not a byte budget, which plans over every layer) by a method that
+        never reads or changes a layer once the next one is prefilled (``quantizes_during_prefill``).
+        The stored values are the same either way; the prefill's peak is then one layer in the
+        model's dtype, the others quantized."""
+        session = self.session
+        if not self.quantize_early or session is None or getattr(session, "phase", None) != Phase.PREFILL:
+            return False
+        if self.kv_bits is None or self._memory() is not None:
+            return False
+        return bool(getattr(getattr(session, "method", None), "quantizes_during_prefill", False))
 
     def _memory(self) -> float | None:
         """The session's byte budget (``memory=``: a share of the full cache's bytes), if any."""

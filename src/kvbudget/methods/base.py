@@ -338,6 +338,17 @@ class Method:
         options: a decode step then cannot equal attention over the kept entries alone."""
         return False
 
+    #: the method reads an earlier layer's keys or values while a later one is prefilled (beyond what
+    #: ``edits_earlier_layers`` and its stages say): its layers then stay unquantized until the end
+    reads_earlier_layers: ClassVar[bool] = False
+
+    @property
+    def quantizes_during_prefill(self) -> bool:
+        """Whether a ``kv_bits`` cache may store each layer quantized as soon as the next one is
+        prefilled: the method never reads or changes a layer again after its own compression."""
+        later = {Stage.POST_PREFILL, Stage.LOOKAHEAD, Stage.PRUNE} & set(self.stages)
+        return not (later or self.edits_earlier_layers or self.reads_earlier_layers)
+
     @property
     def edits_earlier_layers(self) -> bool:
         """Whether the method may change layers other than the one just prefilled (cascading

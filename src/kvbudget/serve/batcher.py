@@ -293,8 +293,11 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     every layer before compressing (post-prefill stage, lookahead, prune stage, cascading
     re-eviction), methods that may keep more than their budget, and the full cache hold the whole
     prompt. Each head's storage may then grow by the answer, with the cache's room. Quantized
-    storage (``kv_bits``) begins once the prefill is done: the bound is the larger of the prefill's
-    peak in the model's dtype and the kept entries quantized, grown by the answer.
+    storage (``kv_bits``) of a method that never reads a layer again once the next is prefilled
+    (``quantizes_during_prefill``) stores each layer quantized as soon as it is done: the bound is
+    then the kept entries quantized, grown by the answer, plus one whole layer in the model's dtype;
+    for other methods quantization begins once the prefill is done: the larger of the prefill's peak
+    in the model's dtype and the kept entries quantized, grown by the answer.
     """
     config = model.config
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
@@ -302,12 +305,17 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     per_entry = model_entry_bytes(config, model.dtype)
     whole_layer = heads * _with_room(n + answer)
     method, comp = seq.method, seq.compression
-    if (
+    early = comp.kv_bits is not None and comp.memory is None and method.quantizes_during_prefill
+    holds_prompt = (
         method.name == "full"
         or {Stage.POST_PREFILL, Stage.LOOKAHEAD, Stage.PRUNE} & set(method.stages)
         or method.edits_earlier_layers
         or type(method).exceeds_budget
-    ):
+    )
+    if early:  # every layer quantized once done: one whole layer in the model's dtype at a time
+        kept = n if holds_prompt else min(n, max(_kept(comp, n), method.min_budget()))
+        return _quantized_bytes(config, model.dtype, comp.kv_bits, kept, answer) + whole_layer * per_entry
+    if holds_prompt:
         return layers * whole_layer * per_entry
     if comp.memory is not None:  # the prefill's peak in the model's dtype, then the bytes and the answer
         kept = min(n, max(memory_budget(model, method, comp.memory, n), method.min_budget()))
@@ -316,8 +324,7 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
             config, model.dtype, 4, 0, answer
         )
         return max(in_prefill, after)
-    kept = comp.budget if comp.budget is not None else math.ceil((comp.ratio or 1.0) * n)
-    kept = min(n, max(kept, method.min_budget()))
+    kept = min(n, max(_kept(comp, n), method.min_budget()))
     slots = layers * heads  # every head of every layer
     if comp.kv_bits is not None:
         in_prefill = (kept * slots + whole_layer) * per_entry
@@ -325,6 +332,11 @@ def prefill_peak_bytes(model: PreTrainedModel, seq: Sequence) -> int:
     kept_total = (kept + answer) * slots
     kept_with_room = kept_total + max(32 * slots, kept_total // 16)
     return (kept_with_room + whole_layer) * per_entry
+
+
+def _kept(comp: Compression, n: int) -> int:
+    """Entries a head keeps of an ``n``-token prompt at ``comp``'s budget or ratio."""
+    return comp.budget if comp.budget is not None else math.ceil((comp.ratio or 1.0) * n)
 
 
 def _quantized_bytes(config: Any, dtype: torch.dtype, bits: int, kept: int, answer: int) -> int:

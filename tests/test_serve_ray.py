@@ -48,13 +48,16 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base(tiny_dir: Path) -> Iterator[str]:
-    """Two replicas, one CPU each, serving the tiny model under a cap of :data:`CAP` each."""
+def base(tiny_dir: Path, tmp_path_factory) -> Iterator[str]:
+    """Two replicas, one CPU each, serving the tiny model under a cap of :data:`CAP` each, writing
+    their documents to one folder."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield deploy(
             str(tiny_dir), port=free_port(), replicas=2, cpus_per_replica=1, memory_cap=CAP,
             method=METHOD, budget=BUDGET, served_name=NAME, device="cpu", dtype="float32",
+            cache_dir=str(tmp_path_factory.mktemp("documents")),
+            document_method="expected-attention:kv_bits=4",
         )  # fmt: skip
     finally:
         serve.shutdown()
@@ -102,6 +105,23 @@ def test_both_replicas_answer_as_generate_alone(base: str, expected: dict[str, s
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_replicas_find_each_others_documents(base: str) -> None:
+    """A document one replica made is written to the shared folder; the other finds it there when a
+    request names it."""
+    made = httpx.post(base + "/v1/kvbudget/documents", json={"text": PROMPTS[1] * 3}, timeout=120)
+    assert made.status_code == 200, made.text
+    document = made.json()["id"]
+    answered_by = set()
+    for _ in range(30):
+        response = ask(client(base), "what?", extra_body={"kvbudget": {"document": document}})
+        assert response.parse().usage.model_extra["kvbudget"]["document"] == document
+        answered_by.add(response.headers[REPLICA_HEADER])
+        if len(answered_by) == 2:
+            break
+    assert len(answered_by) == 2 and made.headers[REPLICA_HEADER] in answered_by
+
+
 def test_each_replica_holds_its_own_cap(base: str) -> None:
     health = httpx.get(base + "/health", timeout=60)
     assert health.json()["cap_bytes"] == CAP and health.headers[REPLICA_HEADER]

@@ -69,6 +69,9 @@ class ReplicaConfig:
         served_name: the model's name in the API.
         device, dtype: where and how :func:`kvbudget.load_model` loads the weights (not used with a
             factory).
+        cache_dir, cache_dir_cap: a folder every replica writes its shared documents to and finds the
+            others' in (``kvbudget serve --cache-dir``), and the bytes it may hold.
+        document_method: how a document is compressed when its creator names no method.
     """
 
     model: str | ModelFactory
@@ -79,6 +82,9 @@ class ReplicaConfig:
     served_name: str
     device: str
     dtype: str
+    cache_dir: str | None = None
+    cache_dir_cap: int = 10 << 30
+    document_method: str = "kvzip:memory=0.125"
 
 
 class ServeReplica:
@@ -99,9 +105,16 @@ class ServeReplica:
         self.config = config
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
         self.registry, metrics = prometheus_metrics()
+        document_dir = None
+        if config.cache_dir is not None:
+            from kvbudget.serve.document_dir import DocumentDir
+
+            document_dir = DocumentDir(config.cache_dir, config.cache_dir_cap)
         self.scheduler = Scheduler(
-            model, tokenizer, config.memory_cap, config.default, max_queue=config.max_queue, metrics=metrics
-        )
+            model, tokenizer, config.memory_cap, config.default, max_queue=config.max_queue, metrics=metrics,
+            document_default=Compression.from_spec(config.document_method, ratio=0.5),
+            document_dir=document_dir,
+        )  # fmt: skip
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvbudget.serve.app import create_app
@@ -156,6 +169,9 @@ def replica_config(
     served_name: str | None = None,
     device: str = "auto",
     dtype: str = "bfloat16",
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_dir_cap: int | str = "10GiB",
+    document_method: str = "kvzip:memory=0.125",
 ) -> ReplicaConfig:
     """A :class:`ReplicaConfig` from ``kvbudget serve``'s options, with its one-line errors (a local
     model path is made absolute: a replica's working directory is not the driver's)."""
@@ -176,8 +192,11 @@ def replica_config(
         served_name = served_name or name
     elif served_name is None:
         raise InputError("give served_name with a model factory (the model's name in the API)")
+    Compression.from_spec(document_method, ratio=0.5)  # a bad spec fails here too
+    folder = str(Path(cache_dir).expanduser().resolve()) if cache_dir is not None else None
+    dir_cap = cache_dir_cap if isinstance(cache_dir_cap, int) else parse_size(cache_dir_cap, "cache_dir_cap")
     return ReplicaConfig(model, cap, Compression(method, budget, ratio), max_queue, api_key, served_name,
-                         device, dtype)  # fmt: skip
+                         device, dtype, folder, dir_cap, document_method)  # fmt: skip
 
 
 def build_app(
@@ -242,7 +261,8 @@ def deploy(
 _BUILDER_ARGS: dict[str, Callable[[str], Any]] = {
     "model": str, "replicas": int, "memory_cap": str, "method": str, "budget": int, "ratio": float,
     "max_queue": int, "api_key": str, "served_name": str, "device": str, "dtype": str,
-    "cpus_per_replica": float, "gpus_per_replica": float,
+    "cpus_per_replica": float, "gpus_per_replica": float, "cache_dir": str, "cache_dir_cap": str,
+    "document_method": str,
 }  # fmt: skip
 
 

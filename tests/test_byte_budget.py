@@ -128,3 +128,19 @@ def test_eval_rows_under_a_byte_budget(tmp_path):
     assert row["error"] is None and row["memory"] == 0.2
     chosen = row["byte_budget"]
     assert chosen["stored_bytes"] <= chosen["target_bytes"] == int(0.2 * rows["full"]["logical_bytes"])
+
+
+def test_eval_memories_add_a_byte_budget_row_per_compressing_method(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvbudget.cli import app
+    from kvbudget.cli.evaluation import _under_memories
+
+    assert _under_memories(["full", "snapkv:window=8", "kvzip", "h2o:kv_bits=4"], [0.25, 0.125]) == [
+        "snapkv:window=8,memory=0.25", "snapkv:window=8,memory=0.125",
+        "kvzip:memory=0.25", "kvzip:memory=0.125",
+    ]  # fmt: skip
+    for bad in ("0", "1.5"):
+        result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "x"), "--memories", bad])
+        assert result.exit_code == 2 and "memory must be a fraction" in result.output
+        assert len(result.output.strip().splitlines()) == 1

@@ -56,6 +56,15 @@ def evaluate(
             "NAME:kv_bits=b.",
         ),
     ] = None,
+    memories: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--memories",
+            help="Also run every compressing method under each of these byte budgets: the share of the "
+            "full cache's bytes its cache may take, in (0, 1], e.g. 0.25,0.125 (rows NAME:memory=f, run "
+            "once each: the budget sets the entries and their precision).",
+        ),
+    ] = None,
     lengths: LengthsOption = None,
     limit: Annotated[int | None, typer.Option(help="Samples per task and length.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sample seed.")] = None,
@@ -122,8 +131,11 @@ def evaluate(
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
+    base_methods = list(config.methods)
     if kv_bits:
         config.methods = _at_precisions(config.methods, int_values(kv_bits, "kv-bits"))
+    if memories:
+        config.methods = [*config.methods, *_under_memories(base_methods, float_values(memories, "memories"))]
     config.compress_context_only = compress_context_only or config.compress_context_only
     config.shared = shared
     if not config.compression_ratios and any(p != "no_press" for p in presses):
@@ -160,6 +172,23 @@ def _at_precisions(methods: list[str], bits: list[int]) -> list[str]:
         for b in bits:
             out.append(method if b == 16 else f"{method}{',' if ':' in method else ':'}kv_bits={b}")
     return out
+
+
+@needs_extra("eval", "kvbudget eval")
+def _under_memories(methods: list[str], memories: list[float]) -> list[str]:
+    """Each compressing method under each byte budget: ``snapkv`` at 0.25 → ``snapkv:memory=0.25``
+    (the full cache has no entries to choose, so no byte budget)."""
+    from kvbudget.byte_budget import check_memory
+    from kvbudget.eval.runner import expand_methods
+
+    for m in memories:
+        check_memory(m, None, None, None)
+    return [
+        f"{method}{',' if ':' in method else ':'}memory={m:g}"
+        for method in expand_methods(methods)
+        if method.split(":", 1)[0] != "full" and "kv_bits=" not in method
+        for m in memories
+    ]
 
 
 @needs_extra("eval", "kvbudget eval")

@@ -62,15 +62,18 @@ def test_no_shared_sample_is_a_one_line_error():
         paired_difference([_row("t", "a", 0, 1.0, 0.5)], "a", "b", ("r", 0.5))
 
 
-def test_the_difference_carries_the_p_value_of_its_own_resamples():
-    # every sample's difference is +0.25: no resample reaches 0, so p is the floor 2 / (R + 1)
+def test_the_difference_carries_the_sign_flip_p_and_the_bootstraps():
+    # every sample's difference is +0.25: no resample reaches 0, so the bootstrap's p is its floor
+    # 2 / (R + 1); the exact sign-flip test's is 2 of the 2^4 sign patterns
     b = [0.0, 0.75, 0.0, 0.75]
     rows = [_row("t", "b", i, v, 0.5) for i, v in enumerate(b)]
     rows += [_row("t", "a", i, v + 0.25, 0.5) for i, v in enumerate(b)]
-    assert paired_difference(rows, "a", "b", ("r", 0.5), resamples=499).p_value == 2 / 500
+    difference = paired_difference(rows, "a", "b", ("r", 0.5), resamples=499)
+    assert difference.bootstrap_p_value == 2 / 500 and difference.p_value == 2 / 16
     # a ties b everywhere: p = 1
     rows += [_row("t", "c", i, v, 0.5) for i, v in enumerate(b)]
-    assert paired_difference(rows, "c", "b", ("r", 0.5), resamples=499).p_value == 1.0
+    tie = paired_difference(rows, "c", "b", ("r", 0.5), resamples=499)
+    assert tie.p_value == tie.bootstrap_p_value == 1.0
 
 
 def test_holm_matches_the_textbook_example():

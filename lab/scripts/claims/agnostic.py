@@ -8,7 +8,14 @@ from kvbudget.eval.paired import row_column
 from kvbudget.eval.report import PEER_PREFIX
 from kvbudget.eval.store import load_rows
 
-from .common import BEYOND_BUDGET, difference_cell, has_results, paired_on_finished_tasks, pct
+from .common import (
+    budget_mark,
+    difference_cell,
+    has_results,
+    over_budget_labels,
+    paired_on_finished_tasks,
+    pct,
+)
 from .leaderboard import best_against_kvpress, leaderboard_table
 from .pairs import SAME_METHOD_PAIRS, pairs_table
 from .screen import screen_table
@@ -68,12 +75,13 @@ def tracks_table(aware: list[dict], agnostic: list[dict], ratio: float) -> list[
     ]
     if not found:
         return [f"(no task finished in both tracks at r={ratio:g} yet)"]
+    over = over_budget_labels(at_ratio) | over_budget_labels(merged)
     lines = [
         "| method | question-aware | question-agnostic | aware − agnostic [95% CI] | tasks |",
         "|---|---|---|---|---|",
     ]
     for label, d in sorted(found, key=lambda item: (-item[1].a.mean, item[0])):
-        mark = " ¹" if label in BEYOND_BUDGET else ""
+        mark = budget_mark(label, over)
         lines.append(
             f"| {label}{mark} | {pct(d.a.mean)} | {pct(d.b.mean)} | {difference_cell(d)} | {len(d.tasks)} |"
         )

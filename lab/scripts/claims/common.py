@@ -20,6 +20,27 @@ from kvbudget.methods.registry import method_info, method_names
 BEYOND_BUDGET = tuple(name for name in method_names() if method_info(name).exceeds_budget)
 
 
+def over_budget_labels(rows: list[dict]) -> set[str]:
+    """Labels (not :data:`BEYOND_BUDGET`'s) with a row whose kept entries, summed over layers and
+    heads, exceed its budget × layers × heads (marked † in the tables: the pyramid family's floored
+    layer schedule keeps up to a few percent more, as the authors' code does)."""
+    found = set()
+    for r in rows:
+        kept, budget = r.get("budgets"), r.get("budget")
+        if not kept or budget is None or r["label"].split(":")[0] in BEYOND_BUDGET:
+            continue
+        if sum(map(sum, kept)) > budget * len(kept) * len(kept[0]) * (1 + 1e-9):
+            found.add(r["label"])
+    return found
+
+
+def budget_mark(label: str, over: set[str]) -> str:
+    """`` ¹`` for a method over the budget by design, `` †`` for one measured over it, else nothing."""
+    if label.split(" (")[0] in BEYOND_BUDGET:
+        return " ¹"
+    return " †" if label in over else ""
+
+
 #: The tasks the leaderboard plan runs at every ratio (0.875, 0.75, 0.5 and 0.25): a gain read across
 #: ratios over these is read on one task set.
 EVERY_RATIO = sorted(set.intersection(*(set(tasks) for _, tasks in LEADERBOARD_PLAN if tasks is not None)))

@@ -11,9 +11,11 @@ from kvbudget.eval.report import PEER_PREFIX, across_tasks
 
 from .common import (
     BEYOND_BUDGET,
+    budget_mark,
     complete_tasks,
     difference_cell,
     mean_over_tasks,
+    over_budget_labels,
     paired_on_finished_tasks,
     pct,
     peers_of,
@@ -47,6 +49,7 @@ def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> l
     keep = {*labels, "full"}
     mine = [r for r in mine if r["task"] in tasks and r["label"] in keep]
     summary = across_tasks(mine, resamples=2000)
+    over = over_budget_labels(mine)
     cell = summary.scores[column]
     order = sorted(cell, key=lambda label: -cell[label].mean)
     lines = [
@@ -61,7 +64,7 @@ def leaderboard_table(rows: list[dict], ratio: float, shared: bool = False) -> l
             for t in tasks
         ]  # fmt: skip
         rank = summary.ranks[column].get(label)
-        mark = " ¹" if label in BEYOND_BUDGET else ""
+        mark = budget_mark(label, over)
         lines.append(
             f"| {label}{mark} | {pct(iv.mean)} [{pct(iv.low)}, {pct(iv.high)}] | "
             + ("–" if rank is None else f"{rank:.1f}")

@@ -1,0 +1,28 @@
+#!/bin/bash
+# The serving figures of session 25 (issues: one byte budget; compress a document once), one after the
+# other on a quiet machine; each step writes its own folder (see docs/serving.md for the tables).
+#
+#     nohup bash lab/scripts/serving_figures.sh > runs/serving-figures.log 2>&1 &
+set -u
+KVB=${KVB:-.venv/bin/kvbudget}
+PY=${PY:-.venv/bin/python}
+step() {
+  echo "=== $(date -u +%FT%TZ) $1"
+  shift
+  "$@" || echo "=== step failed (exit $?): $*"
+}
+COMMON="--model qwen2.5-coder-0.5b --length 8192 --clients 9 --requests 9 --max-tokens 64 --ignore-eos"
+# TPOT of 4-bit against bf16 storage at 8K and 32K tokens (a synthetic cache: no prefill)
+step "tpot synthetic" $PY lab/scripts/tpot_synthetic.py --lengths 8192,32768 --bits 16,4 --steps 24 --repeats 3
+# the full cache at 4 bits again, its layers quantized during the prefill (admitted on that bound)
+step "full 4-bit, quantized while prefilling" $KVB bench serve $COMMON --methods full:kv_bits=4 \
+  --chunk-tokens 0 --out lab/results/serve-cpu-8k-bytes-early
+# chunked prefill: SnapKV's decoding while the others' 8K prompts are read a layer at a time
+step "snapkv, chunked prefill" $KVB bench serve $COMMON --methods snapkv --chunk-tokens 1024 \
+  --out lab/results/serve-cpu-8k-chunked
+# one document, eight clients, four questions each
+step "shared 2K, all modes" $KVB bench serve --workload shared --model qwen2.5-coder-0.5b --length 2048 \
+  --clients 8 --out lab/results/serve-shared-2k
+step "shared 8K, documents" $KVB bench serve --workload shared --model qwen2.5-coder-0.5b --length 8192 \
+  --clients 8 --modes document,document:reload,document:full --out lab/results/serve-shared-8k
+echo "=== $(date -u +%FT%TZ) done"

@@ -14,9 +14,6 @@ step() {
 COMMON="--model qwen2.5-coder-0.5b --length 8192 --clients 9 --requests 9 --max-tokens 64 --ignore-eos"
 # TPOT of 4-bit against bf16 storage at 8K and 32K tokens (a synthetic cache: no prefill)
 step "tpot synthetic" $PY lab/scripts/tpot_synthetic.py --lengths 8192,32768 --bits 16,4 --steps 24 --repeats 3
-# the full cache at 4 bits again, its layers quantized during the prefill (admitted on that bound)
-step "full 4-bit, quantized while prefilling" $KVB bench serve $COMMON --methods full:kv_bits=4 \
-  --chunk-tokens 0 --out lab/results/serve-cpu-8k-bytes-early
 # chunked prefill: SnapKV's decoding while the others' 8K prompts are read a layer at a time
 step "snapkv, chunked prefill" $KVB bench serve $COMMON --methods snapkv --chunk-tokens 1024 \
   --out lab/results/serve-cpu-8k-chunked

@@ -61,7 +61,13 @@ def partial_run_agreement(rows: list[dict], ratio: float, ours: str, press: str)
                 if r["label"] == label and r.get("score") is not None and row_column(r) == column}
         for label in (ours, press)
     }  # fmt: skip
-    screened = ct.screen_rows([r for r in rows if r["label"] == press]).get(press, {})
+    # the screen's samples are those at its own ratio: at another ratio the same (task, sample) is a
+    # row of its own, past the screen
+    screened = (
+        ct.screen_rows([r for r in rows if r["label"] == press]).get(press, {})
+        if ratio == ct.SCREEN_RATIO
+        else {}
+    )
     common = [k for k in scored[press] if k in scored[ours] and k not in screened]
     if not common:
         return None

@@ -109,3 +109,48 @@ def test_the_folder_cap_deletes_the_least_recently_used(tmp_path) -> None:
         assert _ask(base, first["id"]).choices[0].message.content  # still in this server's memory
     with pytest.raises(InputError, match="must be positive"):
         DocumentDir(folder, 0)
+
+
+def test_a_conversation_squeezed_out_of_memory_is_spilled_and_continued(tmp_path) -> None:
+    """A kept turn that must make room is written to the cache directory, not forgotten: its
+    follow-up reuses it (its tokens are not prefilled again) and answers as it would had the turn
+    stayed in memory — also after a restart."""
+    from kvbudget.engine import build_prompt
+    from kvbudget.serve.batcher import make_sequence, prefill_peak_bytes
+
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer(chat_template=True)
+    first = [{"role": "user", "content": DOCUMENT[:300] + " " + QUESTION}]
+    big = DOCUMENT[:700]
+    peak = prefill_peak_bytes(
+        model, make_sequence(build_prompt(tokenizer, big).ids, 4, set(), Compression("full"))
+    )
+
+    def serve(folder, cap):
+        scheduler = Scheduler(model, tokenizer, memory_cap=cap, default=Compression("snapkv:window=8", 24),
+                              document_dir=DocumentDir(folder, 1 << 30))  # fmt: skip
+        return scheduler, serving(create_app(scheduler, NAME))
+
+    def chat(base, messages, **kvbudget):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        return c.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                         extra_body={"kvbudget": kvbudget} if kvbudget else None)  # fmt: skip
+
+    _, roomy = serve(tmp_path / "roomy", 64 << 20)
+    with roomy as base:
+        answer = chat(base, first).choices[0].message.content
+        follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+        expected = chat(base, follow)
+    assert expected.usage.model_extra["kvbudget"]["reused_tokens"] > 0
+    folder = tmp_path / "tight"
+    _, tight = serve(folder, peak + 2048)  # the big request fits only once the turn is out
+    with tight as base:
+        assert chat(base, first).choices[0].message.content == answer
+        chat(base, [{"role": "user", "content": big}], method="full")
+    assert len(list(folder.glob("turn-*.safetensors"))) == 1  # spilled, not forgotten
+    _, restarted = serve(folder, peak + 2048)  # a new server finds it and continues the conversation
+    with restarted as base:
+        again = chat(base, follow)
+    assert again.choices[0].message.content == expected.choices[0].message.content
+    reused = again.usage.model_extra["kvbudget"]["reused_tokens"]
+    assert reused == expected.usage.model_extra["kvbudget"]["reused_tokens"] > 0
+    assert not list(folder.glob("turn-*"))  # taken over: its files deleted

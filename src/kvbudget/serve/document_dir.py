@@ -17,6 +17,7 @@ memory pressure the server may drop an unused document from memory, since its fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,6 +36,8 @@ from kvbudget.serve.documents import Document
 
 #: the ids :func:`kvbudget.serve.documents.new_document_id` makes (nothing else names a file here)
 DOCUMENT_ID = re.compile(r"doc-[0-9a-f]{24}")
+#: a spilled conversation's files: ``turn-<hash of its token ids>``
+TURN_PREFIX = "turn-"
 
 
 class DocumentDir:
@@ -57,9 +60,8 @@ class DocumentDir:
         return self.path / f"{document_id}.safetensors", self.path / f"{document_id}.json"
 
     def used_bytes(self) -> int:
-        return sum(
-            p.stat().st_size for p in self.path.glob("doc-*.*") if p.suffix in (".safetensors", ".json")
-        )
+        files = [*self.path.glob("doc-*.*"), *self.path.glob(f"{TURN_PREFIX}*.*")]
+        return sum(p.stat().st_size for p in files if p.suffix in (".safetensors", ".json"))
 
     # ------------------------------------------------------------------ writing
     def save(self, doc: Document, model: Any) -> None:
@@ -77,21 +79,79 @@ class DocumentDir:
             raise KVBudgetError(f"document {doc.id} takes {size} bytes on disk, more than --cache-dir-cap")
         meta = {
             "id": doc.id, "ids": list(doc.ids), "text": doc.text, "created": doc.created,
-            "compress_s": doc.compress_s, "kv_bytes": doc.nbytes,
-            "compression": {"method": comp.method, "budget": comp.budget, "ratio": comp.ratio,
-                            "kv_bits": comp.kv_bits, "memory": comp.memory},
+            "compress_s": doc.compress_s, "kv_bytes": doc.nbytes, "compression": _compression_dict(comp),
         }  # fmt: skip
         _write_atomically(meta_path, json.dumps(meta).encode())
         self._within_cap(keep=doc.id)
 
     def _within_cap(self, keep: str) -> None:
-        caches = sorted(self.path.glob("doc-*.safetensors"), key=lambda p: p.stat().st_mtime)
+        caches = [*self.path.glob("doc-*.safetensors"), *self.path.glob(f"{TURN_PREFIX}*.safetensors")]
+        caches.sort(key=lambda p: p.stat().st_mtime)
         for path in caches:
             if self.used_bytes() <= self.cap_bytes:
                 return
             document_id = path.stem
             if document_id != keep:
                 self.delete(document_id)
+
+    # ------------------------------------------------------------------ conversations
+    def save_turn(self, ids: tuple[int, ...], cache: BudgetCache, compression: Compression, last_pos: int,
+                  model: Any) -> str:  # fmt: skip
+        """Write a finished conversation's cache (a kept turn squeezed out of memory), under the same cap
+        as the documents; returns its file id. Raises :class:`KVBudgetError` for a cache a file cannot
+        hold (a decode-stage method's, one on a shared document)."""
+        turn_id = TURN_PREFIX + hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:24]
+        cache_path, meta_path = self._files(turn_id)
+        source = CacheSource(*self.identity(model), method=compression.method, budget=compression.budget,
+                             ratio=compression.ratio, kv_bits=compression.kv_bits, token_ids=list(ids),
+                             memory=compression.memory)  # fmt: skip
+        save_cache(cache, cache_path, source)
+        meta = {"id": turn_id, "ids": list(ids), "last_pos": last_pos, "kv_bytes": cache.physical_bytes(),
+                "compression": _compression_dict(compression)}  # fmt: skip
+        _write_atomically(meta_path, json.dumps(meta).encode())
+        self._within_cap(keep=turn_id)
+        return turn_id
+
+    def find_turns(self, model: Any) -> list[dict[str, Any]]:
+        """The spilled conversations of ``model`` here: their descriptions (``id``, ``ids``,
+        ``last_pos``, ``kv_bytes``, ``compression`` as a :class:`Compression`)."""
+        found = []
+        for meta_path in sorted(self.path.glob(f"{TURN_PREFIX}*.json")):
+            meta = self._readable(meta_path, model)
+            if meta is not None:
+                found.append(
+                    {**meta, "ids": tuple(meta["ids"]), "compression": _compression(meta["compression"])}
+                )
+        return found
+
+    def holds(self, file_id: str) -> bool:
+        """Whether a document's or conversation's files are (still) here."""
+        return all(p.is_file() for p in self._files(file_id))
+
+    def load_turn(self, turn_id: str, model: Any) -> BudgetCache:
+        """A spilled conversation's cache; its files are deleted (the conversation goes on in memory)."""
+        cache = load_cache(self._files(turn_id)[0], model)
+        self.delete(turn_id)
+        return cache
+
+    def _readable(self, meta_path: Path, model: Any) -> dict[str, Any] | None:
+        """``meta_path``'s description when its cache file is a kvbudget cache of ``model``."""
+        try:
+            meta = json.loads(meta_path.read_text())
+            with safe_open(str(meta_path.with_suffix(".safetensors")), framework="pt") as f:
+                header = json.loads((f.metadata() or {}).get("kvbudget", "null"))
+        except Exception:  # noqa: BLE001 - not a file of ours: left alone
+            return None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            return None
+        config, fingerprint, dtype = self.identity(model)
+        if (header.get("config_hash"), header.get("dtype"), header.get("fingerprint")) != (
+            config,
+            dtype,
+            fingerprint,
+        ):
+            return None
+        return meta
 
     def delete(self, document_id: str) -> None:
         for path in self._files(document_id):
@@ -104,26 +164,15 @@ class DocumentDir:
         if document_id is not None and not DOCUMENT_ID.fullmatch(document_id):
             return []  # not an id this server makes: nothing on disk is named by it
         metas = [self._files(document_id)[1]] if document_id else sorted(self.path.glob("doc-*.json"))
-        config, fingerprint, dtype = self.identity(model)
-        identity = (config, dtype, fingerprint)
         found = []
         for meta_path in metas:
-            cache_path = meta_path.with_suffix(".safetensors")
-            try:
-                meta = json.loads(meta_path.read_text())
-                with safe_open(str(cache_path), framework="pt") as f:
-                    header = json.loads((f.metadata() or {}).get("kvbudget", "null"))
-            except (OSError, ValueError, Exception):  # noqa: BLE001 - not a document of ours: left alone
+            meta = self._readable(meta_path, model)
+            if meta is None:
                 continue
-            if not isinstance(header, dict) or header.get("format") != FORMAT:
-                continue
-            if (header.get("config_hash"), header.get("dtype"), header.get("fingerprint")) != identity:
-                continue
-            c = meta["compression"]
-            comp = Compression(c["method"], c["budget"], c["ratio"], c["kv_bits"], c["memory"])
             found.append(Document(
-                meta["id"], tuple(meta["ids"]), meta["text"], None, len(meta["ids"]) - 1, comp,
-                meta["compress_s"], created=meta["created"], stored_bytes=meta["kv_bytes"], saved=True,
+                meta["id"], tuple(meta["ids"]), meta["text"], None, len(meta["ids"]) - 1,
+                _compression(meta["compression"]), meta["compress_s"], created=meta["created"],
+                stored_bytes=meta["kv_bytes"], saved=True,
             ))  # fmt: skip
         return found
 
@@ -141,6 +190,15 @@ class DocumentDir:
         cache = load_cache(cache_path, model)
         os.utime(cache_path)
         return cache
+
+
+def _compression_dict(comp: Compression) -> dict[str, Any]:
+    return {"method": comp.method, "budget": comp.budget, "ratio": comp.ratio, "kv_bits": comp.kv_bits,
+            "memory": comp.memory}  # fmt: skip
+
+
+def _compression(c: dict[str, Any]) -> Compression:
+    return Compression(c["method"], c["budget"], c["ratio"], c["kv_bits"], c["memory"])
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

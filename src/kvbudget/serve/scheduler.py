@@ -133,6 +133,8 @@ class Job:
     document: Document | None = None
     #: a chunked prefill in progress (:func:`kvbudget.serve.chunked_prefill.prefill_steps`)
     steps: Iterator[int] | None = None
+    #: the spilled conversation (in the cache directory) this request continues
+    spilled: dict[str, Any] | None = None
 
     def cancel(self) -> None:
         """Ask the worker to drop this request (before its next step)."""
@@ -201,8 +203,11 @@ class Scheduler:
             raise InputError(f"a prefill piece holds at least one layer, got {chunk_layers}")
         self.chunk_tokens, self.chunk_layers = chunk_tokens, chunk_layers
         self._reading: Job | None = None  # the job whose prompt is being read in pieces
+        #: kept turns squeezed out of memory into the cache directory, by their token ids
+        self._spilled: dict[tuple[int, ...], dict[str, Any]] = {}
         if document_dir is not None:
             self._documents.update((d.id, d) for d in document_dir.find(model))
+            self._spilled.update((t["ids"], t) for t in document_dir.find_turns(model))
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -557,12 +562,44 @@ class Scheduler:
         if turn is not None:
             return grown_bytes(turn.cache, len(job.seq.prompt_ids) - len(turn.ids) + job.seq.max_tokens)
         if job.document is not None:
-            config = self.model.config
-            own = len(job.seq.prompt_ids) - len(job.document.ids) + job.seq.max_tokens
-            per_token = model_entry_bytes(config, self.model.dtype) * config.num_key_value_heads
             loading = job.document.stored_bytes if job.document.cache is None else 0
-            return own * per_token * config.num_hidden_layers + loading
+            return self._own_bound(job, len(job.document.ids)) + loading
         return prefill_peak_bytes(self.model, job.seq)
+
+    def _own_bound(self, job: Job, prefix: int) -> int:
+        """KV bytes of ``job``'s tokens after its first ``prefix`` and of its answer, in the model's
+        dtype (a bound: quantized ones take less)."""
+        config = self.model.config
+        own = len(job.seq.prompt_ids) - prefix + job.seq.max_tokens
+        per_token = model_entry_bytes(config, self.model.dtype) * config.num_key_value_heads
+        return own * per_token * config.num_hidden_layers
+
+    def _find_spilled(self, prompt_ids: list[int], compression: Compression) -> dict[str, Any] | None:
+        """The longest spilled conversation the prompt extends, under the same compression."""
+        best = None
+        for ids, turn in list(self._spilled.items()):
+            n = len(ids)
+            if turn["compression"] == compression and len(prompt_ids) > n and tuple(prompt_ids[:n]) == ids:
+                if not self.document_dir.holds(turn["id"]):  # deleted over the folder's cap since
+                    del self._spilled[ids]
+                    continue
+                best = turn if best is None or n > len(best["ids"]) else best
+        return best
+
+    def _spill_oldest_turn(self) -> None:
+        """Drop the least recently used kept turn from memory (under the lock), writing it to the
+        cache directory first when there is one and a file can hold it."""
+        ids, (turn, compression, _) = self._turns.popitem(last=False)
+        if self.document_dir is None or compression.document is not None:
+            return
+        try:
+            turn_id = self.document_dir.save_turn(ids, turn.cache, compression, turn.last_pos, self.model)
+        except KVBudgetError as exc:  # a decode-stage method's cache, say: dropped, as without a directory
+            log.debug("turn of %d tokens not spilled: %s", len(ids), exc)
+            return
+        size = turn.cache.physical_bytes()
+        self._spilled[ids] = {"id": turn_id, "ids": ids, "last_pos": turn.last_pos, "kv_bytes": size,
+                              "compression": compression}  # fmt: skip
 
     def _next_admissible(self) -> Job | None:
         """The first queued request if it fits now (dropping kept turns, oldest first, to make room)."""
@@ -580,12 +617,16 @@ class Scheduler:
         kept = None if job.creates else self._find_turn(job.seq.prompt_ids, job.seq.compression)
         if kept is not None:  # taken over: its bytes move from the store into the job's reservation
             self._turns.pop(kept.ids)
+        spilled = None
+        if kept is None and not job.creates and doc is None:
+            spilled = self._find_spilled(job.seq.prompt_ids, job.seq.compression)
         turn = kept
         if turn is None and doc is not None and doc.cache is not None:  # the document's cache, shared
             turn = Turn(doc.ids, share(doc.cache), doc.last_pos)
-        need = self._peak(job, turn)
+        need = self._peak(job, turn) if spilled is None else self._own_bound(job, len(spilled["ids"]))
+        need += spilled["kv_bytes"] if spilled is not None else 0
         while self._reserved() + need > self.memory_cap and self._turns:
-            self._turns.popitem(last=False)  # least recently used first
+            self._spill_oldest_turn()  # least recently used first
         if self._reserved() + need > self.memory_cap:
             self._unload_documents(keep=doc)
         if self._reserved() + need > self.memory_cap:
@@ -593,6 +634,9 @@ class Scheduler:
                 self._keep(kept, job.seq.compression)
             return None
         self._queue.popleft()
+        if spilled is not None:
+            del self._spilled[spilled["ids"]]
+            job.spilled = spilled
         job.reuse = turn
         job.reserved = need  # until the prefill is done and the reservation is measured
         self._active.append(job)
@@ -604,6 +648,10 @@ class Scheduler:
             return
         seq = job.seq
         try:
+            if job.spilled is not None and job.reuse is None:  # a conversation spilled to disk
+                spilled = job.spilled
+                cache = self.document_dir.load_turn(spilled["id"], self.model)
+                job.reuse = Turn(spilled["ids"], cache, spilled["last_pos"])
             if job.document is not None and job.reuse is None:  # on disk only: loaded now
                 doc = job.document
                 if doc.cache is None:

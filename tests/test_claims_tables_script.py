@@ -229,11 +229,12 @@ def test_family_verdict_applies_the_rule():
 
 
 def test_verdicts_table_corrects_each_family_by_holm_and_leaves_unrun_comparisons_pending():
-    """Three comparisons, each a win on 4 of 20 samples: each raw interval excludes 0 (raw p ≈ 0.024:
-    a resample misses all 4 with probability 0.8^20 = 0.012 per side), but Holm multiplies the
-    smallest of three equal p-values by 3, and the family is inconclusive. A one-comparison family
-    of a clear win is reproduced, uncorrected; a family with a comparison whose rows do not exist
-    is pending, its row "not run"."""
+    """Three comparisons, each a win on 4 of 20 samples: each bootstrap interval excludes 0 (a
+    resample misses all 4 with probability 0.8^20 = 0.012 per side), but the exact sign-flip test
+    gives p = 2/2^4 = 0.125 (only the patterns as observed and all flipped are as extreme), Holm
+    multiplies the smallest of three equal p-values by 3, and the family is inconclusive. A
+    one-comparison family of a clear win is reproduced, uncorrected; a family with a comparison
+    whose rows do not exist is pending, its row "not run"."""
     tables = _load()
     rows = []
     for label, scores in {
@@ -255,7 +256,7 @@ def test_verdicts_table_corrects_each_family_by_holm_and_leaves_unrun_comparison
     for row in cells[:3]:
         low = float(row[4].split("[")[1].split(",")[0])
         p, holm = float(row[6]), float(row[7])
-        assert row[3] == "100.0 vs 80.0" and low > 0 and 0.01 < p < 0.05
+        assert row[3] == "100.0 vs 80.0" and low > 0 and p == 0.125
         assert holm == pytest.approx(3 * p, abs=2e-3) and holm > 0.05
     assert cells[0][8:] == ["**inconclusive at this scale**", "–"] and cells[1][8:] == cells[2][8:] == [
         "",
@@ -344,31 +345,6 @@ def test_the_cost_plot_pairs_each_score_with_its_median_time(tmp_path):
     assert lines[-1].endswith("leverage.") and "kvpress:leverage" not in lines[-1]
 
 
-def test_the_summary_names_our_best_alone_where_no_press_finished_a_ratio():
-    """lab/scripts/leaderboard_summary.py: at a ratio where kvpress finished nothing, the line gives
-    kvbudget's best on the widest task set a method finished (a method with fewer tasks does not
-    compete, the full cache never does) and says no press finished; a ratio nobody ran says so; where
-    both sides ran but on different tasks, each side's best on its own, with both task counts."""
-    tables = _load()
-    summary = _load_summary()
-
-    def rows_of(label: str, score: float, tasks: tuple[str, ...], ratio: float | None) -> list[dict]:
-        return [{"label": label, "task": t, "length": 2048, "sample": i, "compression_ratio": ratio,
-                 "score": score} for t in tasks for i in range(20)]  # fmt: skip
-
-    rows = rows_of("full", 1.0, ("t1", "t2"), None) + rows_of("a", 0.5, ("t1", "t2"), 0.875)
-    rows += rows_of("b", 0.9, ("t1",), 0.875) + rows_of("kvpress:x", 0.2, ("t1",), 0.5)
-    assert tables.best_alone(rows, 0.875) == ("a 50.0", 2)
-    lines = summary.summary_table([("agnostic", rows)])
-    assert "| agnostic | 0.875 | a 50.0 | no press finished here yet | – | 2 |" in lines
-    assert "| agnostic | 0.75 | not run yet | no press finished here yet | – | – |" in lines
-    assert "| agnostic | 0.5 | not run yet | kvpress:x 20.0 | – | 1 |" in lines  # kvpress's side alone
-    # kvpress finished t1 and t2 at 0.25, kvbudget t3 only: each best on its own tasks, no difference
-    rows += rows_of("kvpress:x", 0.4, ("t1", "t2"), 0.25) + rows_of("a", 0.7, ("t3",), 0.25)
-    lines = summary.summary_table([("agnostic", rows)])
-    assert "| agnostic | 0.25 | a 70.0 | kvpress:x 40.0 | – | 1 (kvbudget) / 2 (kvpress) |" in lines
-
-
 def test_the_1_5b_check_judges_each_family_once_every_core_task_has_its_10_samples():
     """The check's families read its own rows (10 samples a task): LAVa ahead of every baseline on
     all six core tasks is reproduced; with one task missing for a baseline, the comparison is not
@@ -445,52 +421,6 @@ def test_the_kvzap_goal_lines_pair_kvzap_with_kvzip_plus_and_share_of_kvzips_add
     assert cost.added_ttft(tmp_path) is None  # no uncompressed prefill to subtract
 
 
-def test_the_summary_footnotes_a_best_that_kvpress_ships_but_has_not_run_there():
-    """lab/scripts/leaderboard_summary.py: where kvbudget's best is a method kvpress ships too (its
-    KVgrad) and that press has only screened samples, the line is marked and the footnote names the
-    press and the screen's agreement; once the press has run the tasks, the mark goes."""
-    summary = _load_summary()
-
-    def rows_of(label: str, score: float, n: int = 20, answer: str = "a") -> list[dict]:
-        return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": 0.5,
-                 "score": score, "prediction": answer} for task in ("niah_multikey_2", "vt")
-                for i in range(n)]  # fmt: skip
-
-    rows = rows_of("kvgrad", 0.9) + rows_of("snapkv", 0.5) + rows_of("kvpress:snapkv", 0.4)
-    screened = rows_of("kvpress:kvgrad", 0.9, n=3)
-    screened[0]["prediction"] = "b"  # one of the six screen samples answered differently
-    lines = summary.summary_table([("question-agnostic", rows + screened)])
-    assert "| question-agnostic | 0.5 | kvgrad 90.0 ² | kvpress:snapkv 40.0 |" in "\n".join(lines)
-    (note,) = [line for line in lines if line.startswith("²")]
-    assert note.endswith("kvbudget's answer on `kvpress:kvgrad` 5 of 6.")
-    lines = summary.summary_table([("question-agnostic", rows + rows_of("kvpress:kvgrad", 0.8))])
-    assert not any("²" in line for line in lines)
-    assert "| question-agnostic | 0.5 | kvgrad 90.0 | kvpress:kvgrad 80.0 |" in "\n".join(lines)
-
-
-def test_the_footnote_adds_a_press_run_begun_but_not_finished_at_the_lines_ratio():
-    """lab/scripts/leaderboard_summary.py: where kvpress's own version of kvbudget's best has rows
-    at the line's ratio on some of its tasks only, the line keeps its mark and the footnote adds
-    the two means on the samples both ran and how many answers match (the screen's samples, at
-    r = 0.5, are counted by the screen's sentence, not again)."""
-    summary = _load_summary()
-
-    def rows_of(label: str, score: float, tasks=("niah_multikey_2", "vt"), n: int = 20) -> list[dict]:
-        return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": 0.875,
-                 "score": score, "prediction": "a"} for task in tasks for i in range(n)]  # fmt: skip
-
-    rows = rows_of("kvgrad", 0.9) + rows_of("snapkv", 0.5) + rows_of("kvpress:snapkv", 0.4)
-    begun = rows_of("kvpress:kvgrad", 1.0, tasks=("vt",))
-    begun[0]["prediction"] = "b"
-    lines = summary.summary_table([("question-agnostic", rows + begun)])
-    assert "| question-agnostic | 0.875 | kvgrad 90.0 ² | kvpress:snapkv 40.0 |" in "\n".join(lines)
-    (note,) = [line for line in lines if line.startswith("²")]
-    assert note.endswith(
-        "Question-agnostic, at r = 0.875, `kvpress:kvgrad` has rows for 20 samples, on 1 of the "
-        "tasks: 100.0 against `kvgrad`'s 90.0 on them, the same answer on 19 of 20."
-    )
-
-
 def test_tables_name_a_tuned_profile_instead_of_printing_its_path():
     module = _load()
     path = "lab/results/claims-baklava/profile.json"
@@ -533,3 +463,50 @@ def test_shared_context_rule_holds_loses_and_undecided_by_hand():
     assert "| 0.0 | 0.0 | -100.0 [-100.0, -100.0] | loses |" in by_label["lost"]
     assert by_label["half"].split(" | ")[6] == "loses"  # [−75, −25]: every bound below −10
     assert by_label["full"].endswith("| 1.0 | 1 × 20 |")
+
+
+def _summary_rows(label: str, score, ratio: float = 0.5, tasks=("niah_multikey_2", "vt"), n: int = 20,
+                  answer: str = "a") -> list[dict]:  # fmt: skip
+    return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": ratio,
+             "score": score(i) if callable(score) else score, "prediction": answer}
+            for task in tasks for i in range(n)]  # fmt: skip
+
+
+def test_the_summary_pairs_each_sides_best_with_the_other_librarys_version():
+    """lab/scripts/leaderboard_summary.py: kvbudget's best is KVgrad, whose press has only the
+    screen's samples: its line says "not run" and the note gives the screen's agreement; kvpress's
+    best is SnapKV, paired with kvbudget's SnapKV on the same samples; once kvpress's KVgrad has run
+    the tasks, KVgrad's line has both means and the difference."""
+    summary = _load_summary()
+    rows = _summary_rows("kvgrad", 0.9) + _summary_rows("snapkv", 0.5) + _summary_rows("kvpress:snapkv", 0.4)
+    screened = _summary_rows("kvpress:kvgrad", 0.9, n=3)
+    screened[0]["prediction"] = "b"  # one of the six screen samples answered differently
+    text = "\n".join(summary.like_with_like([("question-agnostic", rows + screened)]))
+    assert "| question-agnostic | 0.5 | kvgrad (kvbudget's) | 90.0 | not run | – | – | – |" in text
+    assert "| question-agnostic | 0.5 | snapkv (kvpress's) | 50.0 | 40.0 | +10.0 [+10.0, +10.0] |" in text
+    assert "the press gave kvbudget's answer on `kvpress:kvgrad` 5 of 6." in text
+    assert "| question-agnostic | 0.75 | – | not run | not run |" in text
+    text = "\n".join(
+        summary.like_with_like([("question-agnostic", rows + _summary_rows("kvpress:kvgrad", 0.8))])
+    )
+    assert "| question-agnostic | 0.5 | kvgrad (kvbudget's) | 90.0 | 80.0 | +10.0 [+10.0, +10.0] |" in text
+    assert "screen's samples" not in text
+
+
+def test_what_kvpress_does_not_ship_is_picked_on_half_the_samples_and_scored_on_the_other():
+    """LAQ (not shipped by kvpress) against kvpress's best press; KVgrad, which kvpress ships, does
+    not compete there. "b" leads on the even samples only and "laq" on the odd ones: over all samples
+    laq is picked, picked on the even samples "b" is, and its difference is measured on the odd."""
+    from claims.like_with_like import shipped
+
+    summary = _load_summary()
+    assert shipped("kvgrad") and shipped("compactor:head_alloc=ada") and not shipped("laq")
+    rows = _summary_rows("kvgrad", 1.0) + _summary_rows("kvpress:snapkv", 0.4)
+    rows += _summary_rows("laq", lambda i: 1.0 if i % 2 else 0.7) + _summary_rows(
+        "b", lambda i: 0.6 if i % 2 else 0.9
+    )
+    lines = summary.like_with_like([("question-agnostic", rows)])
+    line = next(x for x in lines if x.startswith("| question-agnostic | 0.5 | laq 85.0"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "kvpress:snapkv 40.0" and cells[4].startswith("+45.0 [")
+    assert cells[5] == "b vs kvpress:snapkv" and cells[6].startswith("+20.0 [+20.0, +20.0], p ")

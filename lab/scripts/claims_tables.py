@@ -47,7 +47,6 @@ from claims.document import update  # noqa: E402
 from claims.equal_bytes import equal_bytes_blocks  # noqa: E402
 from claims.leaderboard import (  # noqa: E402
     best_against_kvpress,
-    best_alone,
     best_cell,
     best_label,
     best_pair,
@@ -70,7 +69,7 @@ from claims.verdicts import (  # noqa: E402
 __all__ = [
     "BEYOND_BUDGET", "COMPACTOR_DRAW_PAIRS", "CORE", "EVERY_RATIO", "FAMILIES", "MIN_SAMPLES",
     "SAME_METHOD_PAIRS", "SCREEN_COUNTERPARTS", "SCREEN_RATIO", "Comparison", "Family", "agnostic_blocks",
-    "best_against_kvpress", "best_alone", "best_cell", "best_label", "best_pair", "blocks", "check_block",
+    "best_against_kvpress", "best_cell", "best_label", "best_pair", "blocks", "check_block",
     "complete_tasks", "difference_cell", "equal_bytes_blocks", "family_verdict", "has_results",
     "leaderboard_table",
     "machine_time", "main", "mean_over_tasks", "name_tuned_profiles", "paired_on_finished_tasks",

@@ -3,10 +3,12 @@
     .venv/bin/python lab/scripts/leaderboard_summary.py [--update docs/leaderboard.md]
         [--plot docs/leaderboard-summary.png]
 
-Per track (question-agnostic first, kvpress's protocol) and ratio: kvbudget's best method held to
-the budget against kvpress's best press on the tasks the most complete presses finished, their
-means and the paired difference with its 95% stratified bootstrap interval
-(``claims_tables.best_pair``). The
+Per track (question-agnostic first, kvpress's protocol) and ratio, like with like
+(:mod:`claims.like_with_like`): the method each library's best is, against the other library's
+version of it on the same samples ("not run" where it has not run); then kvbudget's best among the
+methods kvpress does not ship against kvpress's best press, picked and scored on all samples, and
+picked on the even samples and scored on the odd ones (95% stratified bootstrap intervals, sign-flip
+p-values). The
 plot draws score against ratio for the top methods of both libraries in both tracks, each point
 the mean over the tasks run at every ratio (:data:`claims_tables.EVERY_RATIO`).
 """
@@ -30,7 +32,6 @@ RATIOS = (0.875, 0.75, 0.5, 0.25)
 #: kvbudget's methods that kvpress ships too → the press's label (kept positions checked equal in
 #: tests/test_kvpress_oracle.py)
 SAME_AS_PRESS = {ours: f"{PEER_PREFIX}{press}" for press, ours in ct.SCREEN_COUNTERPARTS.items()}
-MARK = "²"
 #: methods per library in the plot, ranked by their mean over the ratios they finished
 TOP = 4
 
@@ -80,60 +81,45 @@ def partial_run_agreement(rows: list[dict], ratio: float, ours: str, press: str)
     )
 
 
-def same_method_note(agreements: list[str], partial: list[str] | None = None) -> str:
-    """The footnote for the lines whose kvbudget best is a method kvpress ships too but has not run
-    there: the difference is then against another press, not against kvpress's own version."""
-    return (
-        f"{MARK} A method kvpress ships too, whose press has not run (or not finished) these tasks at "
-        "this ratio: the difference is against kvpress's best press that has, not against kvpress's "
-        "own version. "
-        "The two keep the same positions (tests/test_kvpress_oracle.py); on the screen's samples "
-        "(question-agnostic, r = 0.5) the press gave kvbudget's answer on "
-        + ", ".join(agreements)
-        + "."
-        + "".join(f" Question-agnostic, {note}." for note in partial or [])
-    )
+def like_with_like(tracks: list[tuple[str, list[dict]]]) -> list[str]:
+    """The summary block: the same method in both libraries, then what kvpress does not ship
+    against kvpress's best press (:mod:`claims.like_with_like`), and the screen's agreement for the
+    pairs whose press has not run."""
+    from claims.like_with_like import same_method_table, unshipped_table
 
-
-def summary_table(tracks: list[tuple[str, list[dict]]]) -> list[str]:
-    """One line per track and ratio; where the two sides finished no task set in common at a ratio,
-    each side's best on its own tasks (or "not run yet") and no difference. A line whose kvbudget
-    best is a method kvpress ships too, where that press has not run, is marked :data:`MARK` and
-    footnoted under the table (the screen's agreement from the question-agnostic track's rows)."""
-    screened = ct.screen_rows(next((rows for track, rows in tracks if track == "question-agnostic"), []))
-    notes: dict[str, str] = {}
-    partial: list[str] = []
+    not_run: list[tuple[str, float, str, str]] = []
+    same = same_method_table(tracks, not_run)
+    rows_of = dict(tracks)
+    screened = ct.screen_rows(rows_of.get("question-agnostic", []))
+    notes, partial = {}, []
+    for track, ratio, ours, press in not_run:
+        notes.setdefault(press, screen_agreement(screened, ours, press))
+        if track == "question-agnostic":
+            started = partial_run_agreement(rows_of[track], ratio, ours, press)
+            partial += [started] if started and started not in partial else []
     lines = [
-        "| track | r | kvbudget's best (held to the budget) | kvpress's best "
-        "| kvbudget − kvpress [95% CI] | tasks |",
-        "|---|---|---|---|---|---|",
+        "**The same method in both libraries** (each side's best at that track and ratio, against "
+        "the other library's version of it, on the same samples):",
+        "",
+        *same,
     ]
-    for track, rows in tracks:
-        for ratio in RATIOS:
-            pair = ct.best_pair(rows, ratio)
-            if pair is None:
-                # no task both sides finished: each side's best on its own widest task set
-                alone, peer = ct.best_alone(rows, ratio), ct.best_alone(rows, ratio, peers=True)
-                ours = alone[0] if alone else "not run yet"
-                theirs = peer[0] if peer else "no press finished here yet"
-                if alone and peer:  # different task sets: no difference, each count named
-                    tasks = f"{alone[1]} (kvbudget) / {peer[1]} (kvpress)"
-                else:
-                    tasks = str((alone or peer or (None, "–"))[1])
-                lines.append(f"| {track} | {ratio:g} | {ours} | {theirs} | – | {tasks} |")
-                continue
-            ours, peer = pair.cells()
-            press = SAME_AS_PRESS.get(pair.ours)
-            if press is not None and press not in pair.peer_labels:
-                ours += f" {MARK}"
-                notes.setdefault(press, screen_agreement(screened, pair.ours, press))
-                if track == "question-agnostic":
-                    started = partial_run_agreement(rows, ratio, pair.ours, press)
-                    partial += [started] if started else []
-            difference = ct.difference_cell(pair.diff)
-            lines.append(f"| {track} | {ratio:g} | {ours} | {peer} | {difference} | {len(pair.tasks)} |")
     if notes:
-        lines += ["", same_method_note(list(notes.values()), partial)]
+        lines += [
+            "",
+            "Where the other library's version has not run there, on the screen's samples "
+            "(question-agnostic, r = 0.5) the press gave kvbudget's answer on "
+            + ", ".join(notes.values())
+            + "."
+            + "".join(f" Question-agnostic, {note}." for note in partial),
+        ]
+    lines += [
+        "",
+        "**What kvpress does not ship, against kvpress's best press** (both bests picked on "
+        "all 20 samples a task and scored on them; and, against that selection, picked on the "
+        "even-numbered samples and scored on the odd ones):",
+        "",
+        *unshipped_table(tracks),
+    ]
     return lines
 
 
@@ -212,7 +198,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="write the score-against-ratio plot here")
     args = parser.parse_args()
     tracks = [("question-agnostic", _rows(args.agnostic)), ("question-aware", _rows(args.leaderboard))]
-    table = summary_table(tracks)
+    table = like_with_like(tracks)
     if args.plot:
         plot(tracks, args.plot)
     if args.update:

@@ -117,29 +117,12 @@ def held_to_budget(label: str) -> bool:
     return label not in ("full", *BEYOND_BUDGET) and not label.startswith(PEER_PREFIX)
 
 
-def best_alone(rows: list[dict], ratio: float, peers: bool = False) -> tuple[str, int] | None:
-    """kvbudget's best method held to the budget at ``ratio`` (kvpress's best press with ``peers``),
-    for a ratio where the other side finished no task: its cell and the number of tasks, on the
-    widest task set a method finished (every method that finished it competes); ``None`` when none
-    did."""
-    column = ("r", ratio)
-    mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
-    side = (lambda label: label.startswith(PEER_PREFIX)) if peers else held_to_budget
-    complete = {label: done for label, done in complete_tasks(mine, column).items()
-                if side(label) and done}  # fmt: skip
-    if not complete:
-        return None
-    tasks = max(complete.values(), key=lambda done: (len(done), sorted(done)))
-    labels = [label for label, done in complete.items() if tasks <= done]
-    means = {label: mean_over_tasks(mine, label, column, tasks) for label in labels}
-    return best_cell(best_label(labels, means), labels, means), len(tasks)
-
-
-def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
+def best_pair(rows: list[dict], ratio: float, competes=None) -> BestPair | None:
     """kvbudget's best against kvpress's best at ``ratio``, on the tasks both bests finished
     (``MIN_SAMPLES`` each): the largest task set a kvpress press finished, and every press that
     finished those tasks (a press screened on fewer samples or tasks is left out until it finishes
-    them); ``None`` until such tasks exist."""
+    them); ``None`` until such tasks exist. ``competes``: which of kvbudget's labels compete
+    (default: :func:`held_to_budget`)."""
     column = ("r", ratio)
     mine = [r for r in rows if row_column(r) in (None, column) and r.get("score") is not None]
     complete = complete_tasks(mine, column)
@@ -148,7 +131,8 @@ def best_pair(rows: list[dict], ratio: float) -> BestPair | None:
         return None
     tasks = max(finished, key=lambda t: (len(t), sorted(t)))
     peers = [label for label in complete if label.startswith(PEER_PREFIX) and tasks <= complete[label]]
-    ours = [label for label in complete if held_to_budget(label) and tasks <= complete[label]]
+    competes = competes or held_to_budget
+    ours = [label for label in complete if competes(label) and tasks <= complete[label]]
     if not tasks or not ours:
         return None
     means = {label: mean_over_tasks(mine, label, column, tasks) for label in [*ours, *peers]}

@@ -73,12 +73,15 @@ def same_method_table(
                 lines.append(f"| {track} | {ratio:g} | neither best is a method of both | | | – | – | – |")
             for ours, press, whose in candidates:
                 d = paired_on_finished_tasks(rows, ours, press, column, pair.tasks)
-                if d is None:
-                    if not_run is not None:
+                if d is None:  # the other library's version has not run these tasks
+                    if not_run is not None and whose == "kvbudget's":
                         not_run.append((track, ratio, ours, press))
-                    mean = pair.means.get(ours)
-                    cell = "–" if mean is None else f"{100 * mean:.1f}"
-                    lines.append(f"| {track} | {ratio:g} | {ours} ({whose}) | {cell} | not run | – | – | – |")
+                    mine, theirs = pair.means.get(ours), pair.means.get(press)
+                    cells = ["not run" if v is None or side != whose else f"{100 * v:.1f}"
+                             for v, side in ((mine, "kvbudget's"), (theirs, "kvpress's"))]  # fmt: skip
+                    lines.append(
+                        f"| {track} | {ratio:g} | {ours} ({whose}) | {cells[0]} | {cells[1]} | – | – | – |"
+                    )
                     continue
                 lines.append(
                     f"| {track} | {ratio:g} | {ours} ({whose}) | {100 * d.a.mean:.1f} | {100 * d.b.mean:.1f} "

@@ -20,7 +20,4 @@ step "shared 8K, documents" $KVB bench serve --workload shared --model qwen2.5-c
 step "snapkv, chunked prefill" $KVB bench serve --model qwen2.5-coder-0.5b --length 8192 --clients 9 \
   --requests 9 --max-tokens 64 --ignore-eos --methods snapkv --chunk-tokens 1024 \
   --out lab/results/serve-cpu-8k-chunked
-# the same at 2K with every mode, per request included
-step "shared 2K, all modes" $KVB bench serve --workload shared --model qwen2.5-coder-0.5b --length 2048 \
-  --clients 8 --out lab/results/serve-shared-2k
 echo "=== $(date -u +%FT%TZ) done"

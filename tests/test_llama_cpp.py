@@ -159,3 +159,24 @@ def test_the_client_loop_against_a_server_speaking_llama_servers_protocol(tmp_pa
         assert r["ttft_s"] > 0 and r["tpot_s"] > 0
     assert run["held_at_once"] == 2  # four clients, two slots
     assert run["wall_s"] > 0
+
+
+def test_a_request_that_waits_past_its_timeout_is_an_error_not_lost(tmp_path) -> None:
+    """A request queued behind busy slots longer than the client waits: an error row of its own."""
+    import socket
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        held: list = []
+
+        def accept_and_wait() -> None:  # accepts, reads the request, never answers
+            conn, _ = server.accept()
+            held.append(conn)
+            conn.recv(1 << 16)
+
+        threading.Thread(target=accept_and_wait, daemon=True).start()
+        out = llama_cpp._post_stream(port, {"prompt": [1]}, timeout=0.5)
+    assert out == {"error": out["error"]} and "timed out" in out["error"]

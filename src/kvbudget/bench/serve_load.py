@@ -108,6 +108,13 @@ def stream_request(
 ) -> dict[str, Any]:
     """Send one streamed completion (or chat completion, ``path="/v1/chat/completions"``); returns
     its text, TTFT, TPOT and usage (or its error)."""
+    try:
+        return _stream_once(base, body, timeout, path)
+    except OSError as exc:  # a wait past ``timeout`` or a dropped connection: this request's error
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _stream_once(base: str, body: dict[str, Any], timeout: float, path: str) -> dict[str, Any]:
     url = urlparse(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     start = time.perf_counter()

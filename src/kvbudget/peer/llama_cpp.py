@@ -134,16 +134,19 @@ def parse_stream(lines: Sequence[bytes], start: float, clock: Callable[[], float
 
 
 def _post_stream(port: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One streamed ``/completion``; a refusal, a dropped connection or a wait past ``timeout``
+    (a request queued behind slots that have not finished) is an error of that request, not lost."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     start = time.perf_counter()
-    conn.request("POST", "/completion", json.dumps(body), {"content-type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        message = response.read().decode(errors="replace")[:200]
-        conn.close()
-        return {"error": f"HTTP {response.status}: {message}"}
     try:
+        conn.request("POST", "/completion", json.dumps(body), {"content-type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            message = response.read().decode(errors="replace")[:200]
+            return {"error": f"HTTP {response.status}: {message}"}
         return parse_stream(response, start, time.perf_counter)
+    except OSError as exc:  # socket timeouts included
+        return {"error": f"{type(exc).__name__} after {time.perf_counter() - start:.0f} s: {exc}"}
     finally:
         conn.close()
 

@@ -383,7 +383,7 @@ def test_a_failure_in_the_model_thread_answers_that_request_alone_and_logs_one_l
 ) -> None:
     base, _ = server
     expected = expected_answer(model_and_tokenizer, GOOD_TEXT, 6)
-    sample = batcher._sample
+    sample = batcher.sample_token
 
     def failing_sample(seq, logits):
         if seq.seed == 666 and len(seq.generated) == 2:
@@ -397,7 +397,7 @@ def test_a_failure_in_the_model_thread_answers_that_request_alone_and_logs_one_l
             raise ValueError("broken prefill")
         return prefill(model, seq, pad_id, reuse)
 
-    monkeypatch.setattr(batcher, "_sample", failing_sample)
+    monkeypatch.setattr(batcher, "sample_token", failing_sample)
     monkeypatch.setattr(scheduler_module, "prefill_sequence", failing_prefill)
     caplog.set_level(logging.INFO, logger="kvbudget.serve")
     results: dict[str, object] = {}

@@ -27,6 +27,7 @@ question and on the later ones, and the later ones' accuracy against ``document:
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import statistics
@@ -36,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from kvbudget.bench.serve_load import percentile, stream_request
 from kvbudget.errors import InputError
@@ -168,7 +170,7 @@ def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, met
     asked_first = [r for r in [first, *done] if "score" in r and r["question"] == 0]
     later = [r for r in [first, *done] if "score" in r and r["question"] != 0]
     return {
-        "mode": mode, "label": _label(mode, config, doc_info), "requests": 1 + len(results),
+        "mode": mode, "label": _label(mode, config), "requests": 1 + len(results),
         "answered": int("text" in first) + len(done),
         "errors": [r["error"] for r in [first, *results] if "error" in r][:5],
         "peak_kv_bytes": scheduler.peak_held_bytes, "document_bytes": doc_info["kv_bytes"] if doc_info else 0,
@@ -184,7 +186,7 @@ def _mean(rows: list[dict]) -> float | None:
     return statistics.fmean(r["score"] for r in rows) if rows else None
 
 
-def _label(mode: str, config: SharedBenchConfig, doc_info: dict | None) -> str:
+def _label(mode: str, config: SharedBenchConfig) -> str:
     if mode == "per-request":
         return f"{config.per_request_method} per request (ratio={1 - config.ratio:g})"
     if mode == "document:full":
@@ -195,9 +197,6 @@ def _label(mode: str, config: SharedBenchConfig, doc_info: dict | None) -> str:
 
 
 def _post_json(base: str, path: str, body: dict, timeout: float) -> dict:
-    import http.client
-    from urllib.parse import urlparse
-
     url = urlparse(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})

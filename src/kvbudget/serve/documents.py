@@ -43,7 +43,6 @@ class Document:
             ``None`` while it is only on disk (``--cache-dir``: loaded when a request needs it).
         last_pos: the RoPE position of its last token.
         compression: how it was compressed. compress_s: seconds the prefill and compression took.
-        users: conversations reading it now (active or kept for follow-ups).
         deleted: deleted by its owner; freed once ``users`` is 0.
         stored_bytes: its cache's bytes in memory when it was made (what loading it takes).
         saved: its files are in the server's cache directory.
@@ -59,7 +58,6 @@ class Document:
     compression: Compression
     compress_s: float
     created: int = field(default_factory=lambda: int(time.time()))
-    users: int = 0
     deleted: bool = False
     stored_bytes: int = 0
     saved: bool = False
@@ -70,13 +68,14 @@ class Document:
         """Bytes it holds in memory now (0 while only on disk)."""
         return self.cache.physical_bytes() if self.cache is not None else 0
 
-    def info(self) -> dict[str, Any]:
-        """What the documents API answers about it."""
+    def info(self, users: int = 0) -> dict[str, Any]:
+        """What the documents API answers about it; ``users``: the conversations reading it now
+        (active or kept for follow-ups)."""
         comp = self.compression
         return {
             "id": self.id, "object": "kvbudget.document", "created": self.created, "tokens": len(self.ids),
             "method": comp.method, "budget": comp.budget, "ratio": comp.ratio, "kv_bits": comp.kv_bits,
             "memory": comp.memory, "kv_bytes": self.nbytes or self.stored_bytes,
-            "compress_s": round(self.compress_s, 3), "conversations": self.users,
+            "compress_s": round(self.compress_s, 3), "conversations": users,
             "in_memory": self.cache is not None, "on_disk": self.saved, "pending": self.pending,
         }  # fmt: skip

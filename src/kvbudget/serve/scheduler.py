@@ -399,8 +399,7 @@ class Scheduler:
         return active + sum(1 for _, comp, _ in self._turns.values() if comp.document == document_id)
 
     def _info(self, doc: Document) -> dict[str, Any]:
-        doc.users = self._users(doc.id)
-        return doc.info()
+        return doc.info(self._users(doc.id))
 
     def _unload_documents(self, keep: Document | None) -> None:
         """Drop from memory the documents no conversation reads that the cache directory holds (under

@@ -95,3 +95,35 @@ def test_turning_cudnn_sdpa_off_keeps_the_other_choices_and_restores_it():
     finally:
         for enable in (cuda.enable_flash_sdp, cuda.enable_mem_efficient_sdp, cuda.enable_math_sdp):
             enable(True)
+
+
+@pytest.mark.parametrize("method", ["full", "ada-snapkv"])  # one rectangular layer, one per head
+def test_a_one_token_step_equals_attention_by_hand_over_each_heads_entries(method):
+    """The one-token step's grouped layout (each KV head's query group as the rows of one query,
+    kvbudget.attention._grouped_step) against softmax attention written out per query head: a
+    left-padded batch whose padding slots are invalid (the full cache keeps them), and a
+    compressed one whose heads keep different entries."""
+    from kvbudget.attention import attend_layer
+
+    model = tiny_model("qwen2")  # 4 query heads on 2 KV heads
+    ids = torch.randint(3, 90, (2, 90), generator=seeded(3))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    cache = kvbudget.compress(model, ids, method, budget=48, attention_mask=mask)
+    layer = cache.layers[1]
+    assert layer.has_invalid if method == "full" else layer.is_ragged
+    q_heads = model.config.num_attention_heads
+    d = model.config.hidden_size // q_heads
+    query = torch.randn((2, q_heads, 1, d), generator=seeded(4))
+    out = attend_layer(query, layer, d**-0.5)
+    group = q_heads // layer.num_heads
+    for h in range(layer.num_heads):
+        keys, values, positions = layer.head(h)
+        for r in range(2):
+            visible = positions[r] >= 0
+            visible[-1] = True  # a step's own token (the last entry) always sees itself
+            for qh in range(h * group, (h + 1) * group):
+                logits = (keys[r].double() @ query[r, qh, 0].double()) * d**-0.5
+                p = torch.softmax(logits.masked_fill(~visible, float("-inf")), 0)
+                want = p @ values[r].double()
+                torch.testing.assert_close(out[r, qh, 0].double(), want, atol=1e-5, rtol=1e-5)

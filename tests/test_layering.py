@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvbudget.shared_prefix",
         ],
     ),
+    ("fused quantized read", ["kvbudget.quantized_read"]),
     ("masks", ["kvbudget.masks"]),
     ("attention", ["kvbudget.attention"]),
     ("observation", ["kvbudget.observation"]),

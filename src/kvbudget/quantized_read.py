@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kvbudget.quantized_store import QuantizedHead, TieredHead
+from kvbudget.shared_prefix import PlainHead, SharedHead
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +119,10 @@ def segments(head: Any) -> list[tuple[int, list[torch.Tensor]]]:
         if head.tail_keys.shape[1]:
             out.append((16, [head.tail_keys, head.tail_values]))
         return out
-    prefix = getattr(head, "prefix", None)
-    if prefix is not None:  # a shared document's prefix, then the conversation's own entries
-        return segments(prefix) + segments(head.own)
-    keys = getattr(head, "keys", None)
-    if keys is not None:  # a full-precision store (a shared document's PlainHead)
-        return [(16, [keys, head.values])] if keys.shape[1] else []
+    if isinstance(head, SharedHead):  # a shared document's prefix, then the conversation's own entries
+        return segments(head.prefix) + segments(head.own)
+    if isinstance(head, PlainHead):  # a shared document's entries in the model's dtype
+        return [(16, [head.keys, head.values])] if head.keys.shape[1] else []
     raise TypeError(f"no segments for {type(head).__name__}")
 
 

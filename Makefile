@@ -47,7 +47,8 @@ lint: install
 # (`kvbudget bench peer`). kvpress 0.5.5 needs transformers < 5.3, so it never shares the main
 # .venv; torch is pinned to the same CPU build (any other spec may pull a multi-GB CUDA build).
 PEER_VENV := .venv-peer
-PEER_REQUIREMENTS := torch==2.13.0 "transformers>=4.56,<5.3" kvpress==0.5.5
+# optimum-quanto: transformers' QuantizedCache (quanto backend), the equal-bytes anchors (`NAME+quanto4`).
+PEER_REQUIREMENTS := torch==2.13.0 "transformers>=4.56,<5.3" kvpress==0.5.5 optimum-quanto==0.2.7
 
 peer: $(PEER_VENV)/.installed
 

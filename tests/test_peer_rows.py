@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
@@ -592,3 +593,60 @@ def test_kvpress_answers_a_shared_context_as_separate_requests_like_ours(tiny_di
     # question-aware: kvpress's pipeline does not share a context it compressed with a question
     aware = EvalConfig(**{**config.__dict__, "compress_context_only": False})
     assert peer_rows.run_peer_rows(aware, tmp_path / "aware", ["snapkv"], PEER, progress=False) == 0
+
+
+def test_a_press_on_transformers_quantized_cache_is_named_with_its_cache():
+    from kvbudget.eval import peer_rows
+
+    assert peer_rows.press_names(["SnapKV+quanto4", "no-press+quanto2"]) == [
+        "snapkv+quanto4",
+        "no_press+quanto2",
+    ]
+    spec = peer_rows.PressSpec.of("snapkv+quanto4")
+    assert spec.press == "snapkv" and spec.kv_bits == 4 and spec.label == "kvpress:snapkv+quanto4"
+    assert ("cache", json.dumps(peer_rows.CACHES["quanto4"], sort_keys=True)) in spec.options
+    (job,) = peer_rows.make_jobs(["no_press+quanto2"], [0.5], question_aware=False)
+    assert job["cache"]["nbits"] == 2 and job["compression_ratio"] is None
+    for bad, why in (("snapkv+quanto3", "unknown cache 'quanto3'"), ("all+quanto4", "one by one"),
+                     ("nopress+quanto4", "unknown kvpress press")):  # fmt: skip
+        with pytest.raises(KVBudgetError, match=why):
+            peer_rows.press_names([bad])
+
+
+@needs_peer
+def test_transformers_quantized_cache_rows_store_fewer_bytes(tmp_path):
+    """The equal-bytes anchors: transformers' QuantizedCache (quanto) alone and under a press, in
+    kvpress's environment; a row's bytes are the cache's as stored, codes, scales and shifts. Heads
+    of 64 channels: quanto's groups of 64 along axis 0 must divide a layer's tokens × channels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY
+
+    torch.manual_seed(3)
+    model_dir = tmp_path / "tiny64"
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "head_dim": 64}, initializer_range=0.2)).save_pretrained(
+        model_dir
+    )
+    tiny_tokenizer(True).save_pretrained(model_dir)
+    out = tmp_path / "run"
+    result = _eval(model_dir, out, True, presses="no_press,no_press+quanto4,no_press+quanto2,snapkv+quanto4")
+    assert result.exit_code == 0, result.output + str(result.exception)
+    rows = load_rows(out / "results.jsonl")
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
+    by = {(r["label"], r["sample"], r["compression_ratio"]): r for r in rows}
+    for s in (0, 1):
+        plain = by[("kvpress:no_press", s, None)]
+        four, two = by[("kvpress:no_press+quanto4", s, None)], by[("kvpress:no_press+quanto2", s, None)]
+        assert four["kv_bits"] == 4 and "QuantizedCache" in four["peer"]["cache"]
+        assert four["kept_entries"] == plain["kept_entries"]  # every entry kept, quantized
+        # the context's entries: float32 against 4-bit codes with a float32 scale and shift per group
+        # of 64 numbers (0.156 of the bytes); the question's entries follow in full precision in all three
+        context = plain["kept_entries"] * 2 * 64 * 4
+        question = plain["physical_bytes"] - context
+        assert four["physical_bytes"] - question == pytest.approx(context * (0.5 + 8 / 64) / 4, rel=0.01)
+        assert two["physical_bytes"] - question == pytest.approx(context * (0.25 + 8 / 64) / 4, rel=0.01)
+        pressed = by[("kvpress:snapkv+quanto4", s, 0.75)]
+        assert (
+            pressed["kept_entries"] < four["kept_entries"]
+            and pressed["physical_bytes"] < four["physical_bytes"]
+        )

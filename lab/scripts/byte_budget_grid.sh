@@ -36,4 +36,10 @@ step "core agnostic" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratio
 # 3. exploratory points: quantization alone, eviction + 4 bits, a smaller byte budget
 step "sc points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
   --methods full:kv_bits=4,full:kv_bits=2,kvzip:kv_bits=4,expected-attention:kv_bits=4,kvzip:memory=0.0625,expected-attention:memory=0.0625
+# 4. the anchors, in kvpress's environment: transformers' QuantizedCache (quanto, residual 128) alone at 4
+# and 2 bits, and under kvpress's Expected Attention (its best question-agnostic press that runs here)
+ANCHORS=no_press+quanto4,no_press+quanto2,expected_attention+quanto4
+step "sc anchors" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.5,0.75 \
+  --peer-presses $ANCHORS
+step "core anchors" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.5,0.75 --peer-presses $ANCHORS
 echo "=== $(date -u +%FT%TZ) grid done"

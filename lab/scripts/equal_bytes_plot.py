@@ -4,7 +4,9 @@ budget), from the shared-context rows (one 2K context, four questions; later tur
     .venv/bin/python lab/scripts/equal_bytes_plot.py lab/results/shared-context-agnostic \\
         [--plot PNG] [--mode multi-request] [--tasks sc_keys,sc_code,sc_vt]
 
-A point is a (method, precision, ratio): its later-turn score (turns 2-4, the mean within each task,
+The anchors (issue: one byte budget) are kvpress's rows on transformers' ``QuantizedCache`` (quanto,
+4 and 2 bits, residual 128; ``NAME+quanto4`` in ``--peer-presses``). A point is a (method, precision,
+ratio): its later-turn score (turns 2-4, the mean within each task,
 then over tasks) against its cache's size right after the compression as a share of the full bf16
 cache's (each row's ``physical_bytes`` over its sample's full-cache ``logical_bytes``: entries ×
 (key + value) × 2 bytes, no storage room; quantized rows' bytes include scales, minima, key group
@@ -25,7 +27,14 @@ from kvbudget.eval.turns_report import is_conversation, later_turns
 
 def _base(label: str) -> tuple[str, str]:
     """``snapkv:kv_bits=4`` → (``snapkv``, ``"4"``); without kv_bits ``"16"``; a byte budget
-    (``snapkv:memory=0.125``) → (``snapkv``, ``"8+4"``: its two precisions)."""
+    (``snapkv:memory=0.125``) → (``snapkv``, ``"8+4"``: its two precisions); an anchor in kvpress's
+    environment (``kvpress:no_press+quanto4``) → (``transformers QuantizedCache``, ``"4"``), under a
+    press (``kvpress:expected_attention+quanto4``) → (``kvpress expected_attention + QuantizedCache``,
+    ``"4"``)."""
+    if label.startswith("kvpress:"):
+        press, _, cache = label.removeprefix("kvpress:").partition("+quanto")
+        name = "transformers QuantizedCache" if press == "no_press" else f"kvpress {press} + QuantizedCache"
+        return name, cache
     name, _, options = label.partition(":")
     pairs = dict(p.split("=", 1) for p in options.split(",") if "=" in p)
     bits = "8+4" if pairs.pop("memory", None) is not None else pairs.pop("kv_bits", "16")
@@ -47,8 +56,11 @@ def points(
     """(method, bits, ratio) → (bytes share, later-turn score, tasks), for the points with every
     sample of every task the full cache has; and the points left out (incomplete)."""
     rows = [r for r in rows if is_conversation(r) and r.get("error") is None and r["conversation"] == mode]
-    rows = [
-        r for r in rows if not r["label"].startswith("kvpress:") and (tasks is None or r["task"] in tasks)
+    rows = [  # kvbudget's rows, and kvpress's on transformers' QuantizedCache (the anchors)
+        r
+        for r in rows
+        if (not r["label"].startswith("kvpress:") or "+quanto" in r["label"])
+        and (tasks is None or r["task"] in tasks)
     ]
     full = {(r["task"], r["sample"]): r["logical_bytes"] for r in rows if r["label"] == "full"}
     wanted: dict[str, set[int]] = defaultdict(set)

@@ -214,11 +214,29 @@ ALIASES = {
 }  # fmt: skip
 
 
+#: transformers' ``QuantizedCache`` as kvpress's pipeline takes it (``pipe(..., cache=...)``): a press
+#: name ``NAME+CACHE`` runs press ``NAME`` (``no_press``: none) on that cache, which stores the kept
+#: entries quantized (kvpress requantizes a layer after compressing it). The settings are
+#: transformers 5.2's defaults (quanto backend, ``q_group_size`` 64, ``axis_key`` = ``axis_value`` =
+#: 0, a full-precision residual of 128 tokens): the anchors of the equal-bytes comparison.
+CACHES: dict[str, dict[str, Any]] = {
+    f"quanto{bits}": {"backend": "quanto", "nbits": bits, "q_group_size": 64, "residual_length": 128}
+    for bits in (4, 2)
+}
+
+
+def split_cache(name: str) -> tuple[str, str | None]:
+    """``snapkv+quanto4`` → (``snapkv``, ``quanto4``); a name without ``+`` → (name, ``None``)."""
+    base, plus, cache = name.partition("+")
+    return base, (cache if plus else None)
+
+
 def canonical_name(raw: str) -> str:
     """``raw`` as the tables spell it: lower case, ``kvpress:`` dropped, aliases and ``-`` for ``_``
-    resolved (``Ada-SnapKV@paper`` → ``adakv_snapkv@paper``)."""
-    base, at, variant = raw.strip().lower().removeprefix(PREFIX).partition("@")
-    return ALIASES.get(base, base.replace("-", "_")) + at + variant
+    resolved (``Ada-SnapKV@paper`` → ``adakv_snapkv@paper``), a ``+CACHE`` kept as it is."""
+    press, cache = split_cache(raw.strip().lower().removeprefix(PREFIX))
+    base, at, variant = press.partition("@")
+    return ALIASES.get(base, base.replace("-", "_")) + at + variant + (f"+{cache}" if cache else "")
 
 
 def press_names(names: list[str], question_aware: bool = True) -> list[str]:
@@ -229,7 +247,17 @@ def press_names(names: list[str], question_aware: bool = True) -> list[str]:
     press named for a question-agnostic run."""
     chosen: list[str] = []
     for raw in names:
-        name = canonical_name(raw)
+        name, cache = split_cache(canonical_name(raw))
+        if cache is not None:
+            if cache not in CACHES:
+                raise KVBudgetError(
+                    f"unknown cache '{cache}' in kvpress press '{raw}': expected one of {', '.join(CACHES)}"
+                )
+            if name == "all":
+                raise KVBudgetError(f"name presses one by one with a cache, not 'all' ('{raw}')")
+            press_names([name], question_aware)  # the press itself: its own one-line error
+            chosen.append(f"{name}+{cache}")
+            continue
         if name == "all":
             chosen += [
                 n for n in PRESSES if n != "no_press" and (question_aware or n not in QUESTION_AWARE_ONLY)
@@ -290,17 +318,23 @@ class PressSpec:
 
     @classmethod
     def of(cls, press: str) -> PressSpec:
-        settings = PRESSES[press]
+        """``press``: a name of :data:`PRESSES`, or ``NAME+CACHE`` (the cache's settings join the
+        options, its bits are the row's ``kv_bits``)."""
+        base, cache = split_cache(press)
+        settings = dict(PRESSES[base])
+        if cache is not None:
+            settings["cache"] = CACHES[cache]
         options = tuple(
             (key, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
             for key, value in sorted(settings.items())
             if value is not None
         )
-        return cls(PREFIX + press, options)
+        return cls(PREFIX + press, options, kv_bits=CACHES[cache]["nbits"] if cache else None)
 
     @property
     def press(self) -> str:
-        return self.name.removeprefix(PREFIX)
+        """The press's name in :data:`PRESSES` (without a ``+CACHE``)."""
+        return split_cache(self.name.removeprefix(PREFIX))[0]
 
     @property
     def label(self) -> str:
@@ -374,10 +408,12 @@ def _turns_of(runner, task, sample, result: dict, reference: dict) -> list[dict[
 def make_jobs(presses: list[str], ratios: list[float], question_aware: bool) -> list[dict[str, Any]]:
     """One job per (press, ratio) — ``no_press`` once, without a ratio."""
     jobs = []
-    for press in presses:
+    for name in presses:
+        press, cache = split_cache(name)
         for ratio in [None] if PRESSES[press]["press"] is None else ratios:
-            jobs.append({**PRESSES[press], "method": PREFIX + press, "budget": None,
-                         "compression_ratio": ratio, "question_aware": question_aware})  # fmt: skip
+            jobs.append({**PRESSES[press], "method": PREFIX + name, "budget": None,
+                         "compression_ratio": ratio, "question_aware": question_aware,
+                         **({"cache": CACHES[cache]} if cache else {})})  # fmt: skip
     return jobs
 
 
@@ -432,7 +468,7 @@ def run_peer_rows(
 
     names = press_names(presses, question_aware=not config.compress_context_only)
     python_path, versions = peer_python(python)
-    if not config.compression_ratios and any(PRESSES[n]["press"] is not None for n in names):
+    if not config.compression_ratios and any(PRESSES[split_cache(n)[0]]["press"] is not None for n in names):
         raise KVBudgetError("kvpress rows run at compression ratios: give --compression-ratios")
     runner = Runner(config, Path(out), model=model, tokenizer=tokenizer, progress=False)
     config = runner.config  # normalised (dtype, ratios) as the runner keys its rows
@@ -474,9 +510,12 @@ def run_peer_rows(
             entries = None if ratio is None or n is None else ratio_budget(ratio, n)
             mode = MULTI_REQUEST if task.family == SHARED_CONTEXT else None
             row = runner._base_row(task, length, index, sample, (spec, None, ratio), entries, mode)
+            cache = jobs[j].get("cache")
             row.update(
-                shared_prefill=False, peer={"library": "kvpress", "versions": versions, **PRESSES[spec.press]}
-            )
+                shared_prefill=False,
+                peer={"library": "kvpress", "versions": versions, **PRESSES[spec.press],
+                      **({"cache": f"transformers QuantizedCache {cache}"} if cache else {})},
+            )  # fmt: skip
             if result.get("error") is not None:
                 row.update(prediction=None, score=None, error=result["error"])
             else:
@@ -489,6 +528,11 @@ def run_peer_rows(
                 question = 0 if jobs[j]["question_aware"] else len(exported["question_ids"])
                 appended = layers * heads * question  # the question's entries, appended after compression
                 steps = result["step_s"]
+                # a QuantizedCache's bytes as stored (codes, scales, shifts, the residual), measured by
+                # the runner; else entries in the model's dtype. The question's entries: full precision
+                stored = result.get("kv_bytes")
+                physical = stored if stored is not None else result["allocated_entries"] * entry_bytes
+                logical = stored if stored is not None else result["kept_entries"] * entry_bytes
                 row.update(
                     prediction=text, score=task.metric(text, sample.answers),
                     full_prediction=reference.get("prediction"), full_score=reference.get("score"),
@@ -498,8 +542,8 @@ def run_peer_rows(
                     prefill_s=result["prefill_s"] - result["compress_s"], compress_s=result["compress_s"],
                     lookahead_s=0.0, reselect_s=0.0, tpot_s=sum(steps) / len(steps) if steps else None,
                     draft_accepted=0, seconds=result["wall_s"], kept_entries=result["kept_entries"],
-                    logical_bytes=(result["kept_entries"] + appended) * entry_bytes,
-                    physical_bytes=(result["allocated_entries"] + appended) * entry_bytes,
+                    logical_bytes=logical + appended * entry_bytes,
+                    physical_bytes=physical + appended * entry_bytes,
                     budgets=None, selection_layer=None, error=None,
                 )  # fmt: skip
                 if mode is not None:

@@ -38,6 +38,11 @@ context and question when question-aware); the row records the ratio and ``compr
 (``n``). With ``--keep-going`` a run that raises answers a row with ``"error"`` (its one-line
 message) instead of ending the process. Scoring stays on kvbudget's side.
 
+A job with ``"cache"`` (``{"backend": "quanto", "nbits": 4, ...}``) prefills into transformers'
+``QuantizedCache`` with those settings instead of a ``DynamicCache``, as kvpress's pipeline takes a
+``cache=``: the press compresses each layer and kvpress stores what it keeps quantized. The row then
+has ``"kv_bytes"``, the cache's bytes as stored after the context's prefill (:func:`cache_bytes`).
+
 A job with ``"kvzap_weights"`` (a kvbudget surrogate file) gives ``KVzapPress`` that surrogate instead
 of the hub download it would make (:func:`bind_kvzap`).
 
@@ -184,9 +189,49 @@ def seed_draws(job: dict) -> None:
         torch.manual_seed(int(job["seed"]))
 
 
+def _layer_entries(layer) -> int:
+    """Entries (KV heads × tokens) one cache layer holds: a ``QuantizedLayer``'s quantized ones and
+    its full-precision residual, else its keys'."""
+    quantized = getattr(layer, "_quantized_keys", None)
+    if quantized is None:
+        return layer.keys.shape[1] * layer.keys.shape[2]
+    residual = layer.keys.shape[2] if layer.keys.dim() == 4 else 0
+    return quantized.shape[1] * (quantized.shape[2] + residual)
+
+
+def _tensor_bytes(t) -> int:
+    """Bytes a tensor holds, a quantized tensor subclass (optimum-quanto's) through its parts."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def cache_bytes(cache) -> int | None:
+    """A ``QuantizedCache``'s bytes as stored (codes, scales, shifts and the residual), else ``None``."""
+    if not any(hasattr(layer, "_quantized_keys") for layer in cache.layers):
+        return None
+    return sum(
+        _tensor_bytes(layer._quantized_keys) + _tensor_bytes(layer._quantized_values)
+        + _tensor_bytes(layer.keys) + _tensor_bytes(layer.values)
+        for layer in cache.layers
+    )  # fmt: skip
+
+
+def make_cache(job: dict, model):
+    """The job's cache: transformers' ``QuantizedCache`` with the job's ``"cache"`` settings
+    (backend, nbits, q_group_size, residual_length), else a ``DynamicCache``."""
+    from transformers import DynamicCache, QuantizedCache
+
+    settings = job.get("cache")
+    if settings is None:
+        return DynamicCache()
+    return QuantizedCache(config=model.config, **settings)
+
+
 def cache_entries(cache, model) -> tuple[int, int]:
     """(kept entries, allocated entries) summed over layers and KV heads."""
-    allocated = sum(layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
+    allocated = sum(_layer_entries(layer) for layer in cache.layers)
     masked = 0
     for layer in model.model.layers:
         idx = getattr(layer.self_attn, "masked_key_indices", None)
@@ -235,8 +280,6 @@ def rerotates_keys(press) -> bool:
 
 @torch.inference_mode()
 def run_one(model, sample: dict, job: dict) -> dict:
-    from transformers import DynamicCache
-
     ctx = torch.tensor([sample["context_ids"]])
     question = torch.tensor([sample["question_ids"]])
     eos = set(sample["eos_ids"])
@@ -254,7 +297,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
     if press is not None:
         press.compress = _timed(press.compress, compress_s)  # this instance only
     model.set_attn_implementation(job.get("attn", "sdpa"))
-    cache = DynamicCache()
+    cache = make_cache(job, model)
     seed_draws(job)
     start = time.perf_counter()
     with press(model) if press is not None else contextlib.nullcontext():
@@ -266,6 +309,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
     context_s = time.perf_counter() - start  # the compressed context prefill
     compress_s[0] += context_s - (prefilled_context - start)  # the press's work on leaving its context
     kept, allocated = cache_entries(cache, model)  # not timed
+    stored_bytes = cache_bytes(cache)
     next_position = cache.get_seq_length() if rerotates_keys(press) else ctx.shape[1]
     follow_ups = sample.get("follow_ups") or []
     if follow_ups and aware:
@@ -302,7 +346,8 @@ def run_one(model, sample: dict, job: dict) -> dict:
         "compression_ratio": job.get("compression_ratio"), "compressed_tokens": ctx.shape[1],
         "prefill_s": prefill_s, "decode_s": end - prefilled, "wall_s": prefill_s + end - prefilled,
         "compress_s": compress_s[0], "step_s": step_s, "kept_entries": kept,
-        "allocated_entries": allocated, **({"follow_ups": turns} if follow_ups else {}),
+        "allocated_entries": allocated, "kv_bytes": stored_bytes,
+        **({"follow_ups": turns} if follow_ups else {}),
     }  # fmt: skip
 
 
@@ -338,7 +383,7 @@ def kept_indices(model, sample: dict, job: dict) -> dict:
     model.model(input_ids=ctx, past_key_values=full)
     press = make_press(job, ctx.shape[1])
     bind_kvzap(press, job, model)
-    cache = DynamicCache()
+    cache = make_cache(job, model)
     seed_draws(job)
     with press(model):
         model.model(input_ids=ctx, past_key_values=cache)

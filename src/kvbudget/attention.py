@@ -179,7 +179,7 @@ def attend_layer(query: torch.Tensor, layer: BudgetLayer, scaling: float) -> tor
     The layer's ``sliding_window`` and ``softcap`` (set by :func:`kvbudget_attention` from what the
     model passes) apply. Returns ``[b, q_heads, q, d_v]``.
     """
-    b, q_heads, q, _ = query.shape
+    _, q_heads, q, _ = query.shape
     window, softcap = layer.sliding_window, layer.softcap
     heads = layer.num_heads
     group = q_heads // heads

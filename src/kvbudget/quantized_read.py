@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -90,8 +91,12 @@ def kernel() -> ModuleType | None:
         return _module
     with _lock:
         if _module is None and _failed is None:
+            start = time.perf_counter()
             try:
                 _module = _build()
+                seconds = time.perf_counter() - start
+                if seconds > 5:  # compiled now, not loaded from torch's extension cache
+                    log.info("built the fused quantized read's kernel in %.0f s (once per machine)", seconds)
             except Exception as error:  # no compiler, no ninja, a failed build: dequantize instead
                 last = str(error).strip().splitlines()[-1:] or [""]
                 _failed = f"{type(error).__name__}: {last[0]}"

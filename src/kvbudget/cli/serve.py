@@ -164,6 +164,10 @@ def serve(
     )
     name = served_name or model
     logging.config.dictConfig(log_config(log_level))  # the line below in the server's format too
+    if lm.device.type == "cpu":  # built (once per machine) before the first request, not during it
+        from kvbudget.quantized_read import kernel
+
+        kernel()
     log.info("serving %s on http://%s:%s/v1 — default %s, KV cap %s", name, host, port, default.label(),
              format_bytes(cap))  # fmt: skip
     app = create_app(

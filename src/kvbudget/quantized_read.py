@@ -23,12 +23,14 @@ reference in float64).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -61,24 +63,37 @@ def _cpu_flags() -> list[str]:
     return []
 
 
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The ninja wheel's binary on ``PATH`` while torch builds (it runs ``ninja`` from ``PATH``),
+    where no ninja is there already; ``PATH`` restored afterwards."""
+    before = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{before}"
+        except ImportError:
+            pass
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
-    try:  # the ninja wheel's binary, when ninja is not on PATH
-        import ninja
-
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    except ImportError:
-        pass
     flags = ["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()]
     tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
-    return cpp_extension.load(
-        name=f"kvbudget_quantized_decode_{tag}",
-        sources=[str(SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _ninja_on_path():
+        return cpp_extension.load(
+            name=f"kvbudget_quantized_decode_{tag}",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def kernel() -> ModuleType | None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python lab/scripts/kvgrad_diagnosis.py [--seed 1] [--samples 8] [--ratio 0.875]
         [--variants default,cont,prefix,bf16,cont+prefix,cont+prefix+bf16] [--kvpress-answers]
-        [--out lab/results/kvgrad-diagnosis/report.md]
+        [--out FILE]
 
 Not run when written. On the needle task's prompts (qwen2.5-coder-0.5b in bf16, 2,048 tokens,
 question-agnostic; ``--seed`` picks the split: set it to the one the held-out needles came from) it

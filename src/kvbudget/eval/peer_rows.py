@@ -226,9 +226,10 @@ CACHES: dict[str, dict[str, Any]] = {
 
 
 def split_cache(name: str) -> tuple[str, str | None]:
-    """``snapkv+quanto4`` → (``snapkv``, ``quanto4``); a name without ``+`` → (name, ``None``)."""
-    base, plus, cache = name.partition("+")
-    return base, (cache if plus else None)
+    """``snapkv+quanto4`` → (``snapkv``, ``quanto4``); a name without a ``+CACHE`` (``kvzip+`` is
+    KVzip+, not a cache) → (name, ``None``)."""
+    base, _, cache = name.rpartition("+")
+    return (base, cache) if base and cache else (name, None)
 
 
 def canonical_name(raw: str) -> str:

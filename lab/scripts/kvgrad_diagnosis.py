@@ -40,13 +40,11 @@ import torch
 
 import kvbudget
 from kvbudget.artifacts import file_lock
-from kvbudget.cache import BudgetCache
 from kvbudget.engine import build_prompt
 from kvbudget.eval.peer_rows import export_sample, peer_python
 from kvbudget.eval.runner import EvalConfig, Runner, ratio_budget
 from kvbudget.eval.tasks.needle import contains_answer
 from kvbudget.methods.kvgrad import GradientReconstructionScores, KVgrad
-from kvbudget.methods.kvzip import _row_layer
 from kvbudget.models import resolve_source
 from kvbudget.peer.environment import runner_script
 
@@ -89,41 +87,18 @@ class Bf16Scores(GradientReconstructionScores):
 
 @dataclass(frozen=True)
 class KVgradProbe(KVgrad):
-    """``kvgrad`` with kvpress's prefix handling (``kvpress_prefix``) and precision (``bf16_scores``)
-    as switches; otherwise :meth:`KVzip.row_scores` line for line (kvzip.py:340-369)."""
+    """``kvgrad`` with kvpress's prefix handling (``kvpress_prefix``: the softmax over the first
+    ``sinks`` entries only, and only those protected) and precision (``bf16_scores``) as switches."""
 
     kvpress_prefix: bool = False
     bf16_scores: bool = False
 
-    def row_scores(self, model, cache, r, ids, last_pos):
-        prompts = cache.session.run.prompts
-        context = [_row_layer(layer, r) for layer in cache.layers]
-        n_r = context[0].keys.shape[2]
-        tokens = ids[ids.shape[0] - n_r :].tolist()
-        prefix = len(prompts.prefix) if tokens[: len(prompts.prefix)] == prompts.prefix else 0
-        # kvpress: softmax over min(n_sink, start) leading entries; prefix entries past the sinks keep
-        # score 0 (never written) and only the sinks are protected
-        anchors = self.sinks if self.kvpress_prefix else max(prefix, self.sinks)
-        device = context[0].keys.device
-        scores = [torch.zeros((context[0].keys.shape[1], n_r), device=device) for _ in context]
-        session_cls = Bf16Scores if self.bf16_scores else GradientReconstructionScores
-        session = session_cls(self, len(context), context, scores)
-        clone = BudgetCache(len(context), session)
-        clone.attention_attached = True
-        clone.layers = [layer.shallow_copy() for layer in context]
-        for start in range(prefix, n_r, self.chunk):
-            end = min(start + self.chunk, n_r)
-            if start == prefix:
-                request = prompts.repeat
-            else:
-                request = prompts.cont + tokens[max(prefix, start - self.overlap) : start]
-            feed = torch.tensor([request + prompts.suffix + tokens[start:end]], dtype=torch.long)
-            session.span = (min(anchors, start), start, end)
-            positions = torch.arange(last_pos + 1, last_pos + 1 + feed.shape[1])[None]
-            self.replay(model, clone, session, feed.to(model.device), positions.to(model.device))
-            for i, layer in enumerate(context):
-                clone.layers[i] = layer.shallow_copy()
-        return scores, min(anchors, n_r)
+    @property
+    def scores_session(self):
+        return Bf16Scores if self.bf16_scores else GradientReconstructionScores
+
+    def anchor_count(self, prefix: int) -> int:
+        return self.sinks if self.kvpress_prefix else super().anchor_count(prefix)
 
 
 def kept_of(cache, n_ctx: int) -> list[list[set[int]]]:

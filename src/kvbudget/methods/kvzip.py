@@ -347,7 +347,7 @@ class KVzip(Method):
         n_r = context[0].keys.shape[2]
         tokens = ids[ids.shape[0] - n_r :].tolist()
         prefix = len(prompts.prefix) if tokens[: len(prompts.prefix)] == prompts.prefix else 0
-        anchors = max(prefix, self.sinks)
+        anchors = self.anchor_count(prefix)
         device = context[0].keys.device
         scores = [torch.zeros((context[0].keys.shape[1], n_r), device=device) for _ in context]
         session = self.scores_session(self, len(context), context, scores)
@@ -367,6 +367,11 @@ class KVzip(Method):
             for i, layer in enumerate(context):  # a layer the pass did not reach is restored too
                 clone.layers[i] = layer.shallow_copy()
         return scores, min(anchors, n_r)
+
+    def anchor_count(self, prefix: int) -> int:
+        """The leading entries a row's scores attend over and its selection always keeps: the chat
+        template's ``prefix`` tokens, and at least ``sinks``."""
+        return max(prefix, self.sinks)
 
     def replay(
         self,

@@ -454,15 +454,56 @@ def test_shared_context_rule_holds_loses_and_undecided_by_hand():
         + _conversation_rows("same", 0.5, [1.0] * 20)  # no difference: holds
         + _conversation_rows("lost", 0.5, [0.0] * 20, first=0.0)  # −100 on every sample: loses
         + _conversation_rows("half", 0.5, [1.0, 0.0] * 10)  # −50 ± a wide interval: loses or undecided
-        + _conversation_rows("late", 0.5, [1.0] * 5)  # fewer samples than the rest: left out
+        + _conversation_rows("late", 0.5, [1.0] * 5)  # fewer samples than the rest: on its five
     )
     table = shared_context_table(rows, "question-agnostic")
     by_label = {line.split(" | ")[2]: line for line in table[2:] if line.startswith("| multi-turn")}
-    assert set(by_label) == {"full", "same", "lost", "half"}
+    assert set(by_label) == {"full", "same", "lost", "half", "late"}
+    assert by_label["late"].endswith("| 1 × 5 |") and by_label["same"].endswith("| 1 × 20 |")
     assert "| +0.0 [+0.0, +0.0] | holds |" in by_label["same"]
     assert "| 0.0 | 0.0 | -100.0 [-100.0, -100.0] | loses |" in by_label["lost"]
     assert by_label["half"].split(" | ")[6] == "loses"  # [−75, −25]: every bound below −10
     assert by_label["full"].endswith("| 1.0 | 1 × 20 |")
+
+
+def test_the_server_default_is_the_cheapest_candidate_that_holds_later_turns_in_both_modes():
+    """docs/leaderboard.md's rule for `kvbudget serve`'s default, on rows made by hand: a slow
+    compression and a big cache are not candidates; of those that hold, the fewest bytes win; until
+    every named candidate has its 20 samples the block says which are running."""
+    _load()
+    from claims import server_default as rule
+
+    def rows_of(label, ratio, later, compress=0.1, mib=1.0):
+        out = []
+        for task in rule.TASKS:
+            for r in _conversation_rows(label, ratio, later, task=task):
+                r.update(
+                    key=r["key"] + task, compress_s=compress, physical_bytes=int(mib * 2**20), prefill_s=4.0
+                )
+                out.append(r)
+        return out
+
+    full = rows_of("full", None, [1.0] * 20, compress=0.0, mib=10.0)
+    slow = rows_of("slow", 0.5, [1.0] * 20, compress=2.0, mib=1.0)  # compress ÷ prefill 0.5: not a candidate
+    big = rows_of("big", 0.5, [1.0] * 20, mib=6.0)  # 60% of the bytes: not a candidate
+    mid = rows_of("mid", 0.75, [1.0] * 20, mib=3.0)  # holds
+    small = rows_of("small", 0.875, [1.0] * 20, mib=2.0)  # holds, with fewer bytes than mid
+    lossy = rows_of("lossy", 0.875, [0.0] * 20, mib=1.0)  # loses everything
+    configs = rule.configurations(full + slow + big + mid + small + lossy)
+    by_name = {c.name: c for c in configs}
+    assert set(by_name) == {"slow r=0.5", "big r=0.5", "mid r=0.75", "small r=0.875", "lossy r=0.875"}
+    assert by_name["slow r=0.5"].compress_share == pytest.approx(0.5) and not by_name["slow r=0.5"].eligible
+    assert by_name["big r=0.5"].bytes_share == pytest.approx(0.6) and not by_name["big r=0.5"].eligible
+    best, why = rule.choose(configs)
+    assert best.name == "small r=0.875" and why.startswith("holds")
+    # nothing holds: the highest lower bound wins
+    best, why = rule.choose(
+        rule.configurations(full + rows_of("a", 0.5, [0.0] * 20) + rows_of("b", 0.5, [0.5] * 20, mib=2.0))
+    )
+    assert best.name == "b r=0.5" and why.startswith("none holds")
+    # the named candidates have not run: the block waits
+    table = rule.server_default_table(full + mid)
+    assert table[-1].startswith("Running (11 of 11 candidates") and "| mid r=0.75 | 0.30 |" in table[2]
 
 
 def _summary_rows(label: str, score, ratio: float = 0.5, tasks=("niah_multikey_2", "vt"), n: int = 20,

@@ -28,14 +28,19 @@ step "seed agnostic" $PY lab/scripts/seed_rows.py lab/results/leaderboard-agnost
 # 1. the shared-context family: M:memory=0.125 against M at r = 0.875, later turns, 20 samples a task
 step "sc headline" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.875 \
   --methods full,snapkv,expected-attention,kvzip,snapkv:memory=0.125,expected-attention:memory=0.125,kvzip:memory=0.125
+# 1b. the server default's cheap candidates (docs/leaderboard.md, "The server's default"), 20 samples a
+# task: Expected Attention at r = 0.75 / 0.5, also stored at 4 bits, and under a smaller byte budget;
+# quantization alone
+step "sc cheap points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
+  --methods expected-attention,expected-attention:kv_bits=4,expected-attention:memory=0.0625,full:kv_bits=4,full:kv_bits=2
 # 2. the leaderboard's core tasks, one question: question-aware SnapKV, question-agnostic KVzip and
 # Expected Attention
 step "core aware" $RUN $AWARE --tasks $CORE --compression-ratios 0.875 --methods full,snapkv,snapkv:memory=0.125
 step "core agnostic" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.875 \
   --methods full,expected-attention,kvzip,expected-attention:memory=0.125,kvzip:memory=0.125
-# 3. exploratory points: quantization alone, eviction + 4 bits, a smaller byte budget
+# 3. exploratory points: KVzip stored at 4 bits and under a smaller byte budget
 step "sc points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
-  --methods full:kv_bits=4,full:kv_bits=2,kvzip:kv_bits=4,expected-attention:kv_bits=4,kvzip:memory=0.0625,expected-attention:memory=0.0625
+  --methods kvzip:kv_bits=4,kvzip:memory=0.0625
 # 4. the anchors, in kvpress's environment: transformers' QuantizedCache (quanto, residual 128) alone at 4
 # and 2 bits, and under kvpress's Expected Attention (its best question-agnostic press that runs here)
 ANCHORS=no_press+quanto4,no_press+quanto2,expected_attention+quanto4

@@ -54,6 +54,7 @@ from claims.leaderboard import (  # noqa: E402
 )
 from claims.pairs import SAME_METHOD_PAIRS, pairs_table  # noqa: E402
 from claims.screen import SCREEN_COUNTERPARTS, SCREEN_RATIO, same_answers, screen_rows, screen_table  # noqa: E402
+from claims.server_default import server_default_blocks  # noqa: E402
 from claims.shared_context import shared_context_blocks  # noqa: E402
 from claims.verdicts import (  # noqa: E402
     CORE,
@@ -73,7 +74,8 @@ __all__ = [
     "complete_tasks", "difference_cell", "equal_bytes_blocks", "family_verdict", "has_results",
     "leaderboard_table",
     "machine_time", "main", "mean_over_tasks", "name_tuned_profiles", "paired_on_finished_tasks",
-    "pairs_table", "same_answers", "screen_rows", "screen_table", "shared_context_blocks", "tracks_table",
+    "pairs_table", "same_answers", "screen_rows", "screen_table", "server_default_blocks",
+    "shared_context_blocks", "tracks_table",
     "update", "verdicts_table",
 ]  # fmt: skip
 
@@ -103,6 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     tables = blocks(args)
     tables.update(shared_context_blocks(args.shared_context_agnostic, args.shared_context))
+    tables.update(server_default_blocks(args.shared_context_agnostic))
     tables.update(
         equal_bytes_blocks(args.shared_context_agnostic, args.equal_bytes, args.equal_bytes_agnostic)
     )

@@ -5,16 +5,19 @@ each track and mode, every (method, ratio) is compared with the full cache on it
 (turns 2–4) — the paired per-sample difference, averaged within each task, then over tasks — with
 a simultaneous 95% interval (Bonferroni over that track and mode's comparisons: each interval at
 ``1 − 0.05 / m``). A method **holds** later turns at a ratio when the interval lies above −10 points,
-**loses** them when it lies wholly below −10, and is **undecided** otherwise. Only tasks where both
-have every sample of the shown count (the most any has) are compared.
+**loses** them when it lies wholly below −10, and is **undecided** otherwise. Each configuration is
+compared on the tasks × n of its samples (each task's first n of those the full cache also has) that
+cover the most, so a run in progress shows what it has.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvbudget.eval.conversation import MODES
+from kvbudget.eval.intervals import Interval
 from kvbudget.eval.paired import row_column
 from kvbudget.eval.store import load_rows
 from kvbudget.eval.turns_report import is_conversation, later_minus_full, later_turns, mean_over_tasks
@@ -49,53 +52,98 @@ def _mib(rows: list[dict]) -> str:
     return f"{mean_over_tasks(rows, lambda r: r['physical_bytes']) / 2**20:.1f}"
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One (mode, configuration) line of the section: its rows and the later-turn comparison."""
+
+    mode: str
+    column: tuple | None  # ("r", ratio) or None (the full cache, a byte budget)
+    label: str
+    rows: list[dict]
+    tasks: int
+    n: int
+    difference: Interval | None = None  # later − full, simultaneous over the mode's comparisons
+
+    @property
+    def verdict(self) -> str:
+        return "–" if self.difference is None else verdict(self.difference.low, self.difference.high)
+
+    def mean(self, value) -> float:
+        return mean_over_tasks(self.rows, value)
+
+
+def _coverage(per_task: dict[str, list[int]]) -> dict[str, set[int]]:
+    """The ``tasks × n`` of these samples that covers the most (ties: the larger n): each chosen
+    task's first ``n`` samples."""
+    best, size = {}, 0
+    for n in sorted({len(s) for s in per_task.values() if s}, reverse=True):
+        tasks = [t for t, s in per_task.items() if len(s) >= n]
+        if n * len(tasks) > size:
+            best, size = {t: set(per_task[t][:n]) for t in tasks}, n * len(tasks)
+    return best
+
+
+def _rows_of(rows: list[dict], chosen: dict[str, set[int]]) -> list[dict]:
+    return [r for r in rows if r["sample"] in chosen.get(r["task"], ())]
+
+
+def shared_context_entries(rows: list[dict]) -> list[Entry]:
+    """Per mode: the full cache's entry, then every (ratio, method) on the tasks × n of its samples
+    the full cache also has that cover the most, compared with it there on later turns."""
+    rows = [r for r in rows if is_conversation(r) and r.get("error") is None]
+    entries = []
+    for mode in MODES:
+        here = [r for r in rows if r["conversation"] == mode]
+        samples = _samples(here)
+        tasks = sorted({t for (t, label, _) in samples if label == "full"})
+        groups = sorted({(column, label) for (_, label, column) in samples if label != "full"},
+                        key=lambda g: (-(g[0][1] if g[0] else 0.0), g[1]))  # fmt: skip
+        level = 1 - LEVEL / max(1, len(groups))
+        full = _coverage({t: sorted(samples[(t, "full", None)]) for t in tasks})
+        if full:
+            n = len(next(iter(full.values())))
+            full_rows = _rows_of([r for r in here if r["label"] == "full"], full)
+            entries.append(Entry(mode, None, "full", full_rows, len(full), n))
+        for column, label in groups:
+            common = {
+                t: sorted(samples.get((t, label, column), set()) & samples[(t, "full", None)]) for t in tasks
+            }
+            chosen = _coverage(common)
+            if not chosen:
+                continue
+            compared = _rows_of(here, chosen)
+            group = [r for r in compared if r["label"] == label and row_column(r) == column]
+            difference = later_minus_full(compared, label, column, mode, level=level)
+            n = len(next(iter(chosen.values())))
+            entries.append(Entry(mode, column, label, group, len(chosen), n, difference))
+    return entries
+
+
 def shared_context_table(rows: list[dict], track: str) -> list[str]:
     """The section's table for one track's rows: per mode, ratio and method, turn 1, later turns,
     later − full [simultaneous 95% CI], the verdict, the compression's seconds and the cache's MiB."""
-    rows = [r for r in rows if is_conversation(r) and r.get("error") is None]
-    if not rows:
+    entries = shared_context_entries(rows)
+    if not entries:
         return [f"No {track} shared-context rows yet."]
     lines = [
         "| mode | r | method | turn 1 | later turns | later − full [simultaneous 95% CI] | verdict "
         "| compress s | KV MiB | tasks × n |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        here = [r for r in rows if r["conversation"] == mode]
-        samples = _samples(here)
-        n = max((len(s) for s in samples.values()), default=0)
-        full_tasks = {t for (t, label, _), s in samples.items() if label == "full" and len(s) == n}
-        groups = sorted({(column, label) for (_, label, column) in samples if label != "full"},
-                        key=lambda g: (-(g[0][1] if g[0] else 0.0), g[1]))  # fmt: skip
-        level = 1 - LEVEL / max(1, len(groups))
-        full = [r for r in here if r["label"] == "full" and r["task"] in full_tasks]
-        if full:
+    for e in entries:
+        first, later = 100 * e.mean(lambda r: r["turns"][0]["score"]), 100 * e.mean(later_turns)
+        size = f"{e.tasks} × {e.n}"
+        if e.label == "full":
             lines.append(
-                f"| {mode} | – | full | {100 * mean_over_tasks(full, lambda r: r['turns'][0]['score']):.1f} "
-                f"| {100 * mean_over_tasks(full, later_turns):.1f} | – | – | – "
-                f"| {_mib(full)} | {len(full_tasks)} × {n} |"
+                f"| {e.mode} | – | full | {first:.1f} | {later:.1f} | – | – | – | {_mib(e.rows)} | {size} |"
             )
-        for column, label in groups:
-            tasks = {t for t in full_tasks if len(samples.get((t, label, column), ())) == n}
-            if not tasks:
-                continue  # still running: shown once it has every sample of a task the full cache has
-            group = [
-                r for r in here if r["label"] == label and row_column(r) == column and r["task"] in tasks
-            ]
-            compared = [r for r in here if r["task"] in tasks]
-            difference = later_minus_full(compared, label, column, mode, level=level)
-            cell, judged = "–", "–"
-            if difference is not None:
-                d = difference
-                cell = f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-                judged = verdict(difference.low, difference.high)
-            lines.append(
-                f"| {mode} | {f'{column[1]:g}' if column else '–'} | {label} "
-                f"| {100 * mean_over_tasks(group, lambda r: r['turns'][0]['score']):.1f} "
-                f"| {100 * mean_over_tasks(group, later_turns):.1f} | {cell} | {judged} "
-                f"| {mean_over_tasks(group, lambda r: r['compress_s']):.1f} "
-                f"| {_mib(group)} | {len(tasks)} × {n} |"
-            )
+            continue
+        d = e.difference
+        cell = "–" if d is None else f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+        lines.append(
+            f"| {e.mode} | {f'{e.column[1]:g}' if e.column else '–'} | {e.label} | {first:.1f} | {later:.1f} "
+            f"| {cell} | {e.verdict} | {e.mean(lambda r: r['compress_s']):.1f} | {_mib(e.rows)} | {size} |"
+        )
     return lines
 
 

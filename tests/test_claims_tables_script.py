@@ -534,6 +534,25 @@ def test_the_summary_pairs_each_sides_best_with_the_other_librarys_version():
     assert "screen's samples" not in text
 
 
+def test_a_press_run_on_the_first_three_samples_of_every_task_is_compared_there_and_marked():
+    """kvpress's slow presses run a subsample (lab/scripts/kvpress_same_method.sh): once the press has
+    the first 3 samples of each task, the line pairs both sides on them, marked ³ with a note; the
+    screen's two tasks alone do not count as one."""
+    summary = _load_summary()
+    tasks = ("niah_single_2", "niah_multikey_1", "niah_multikey_2", "vt", "lcc")
+    rows = _summary_rows("kvgrad", lambda i: 1.0 if i < 3 else 0.5, tasks=tasks)
+    rows += _summary_rows("snapkv", 0.5, tasks=tasks) + _summary_rows("kvpress:snapkv", 0.4, tasks=tasks)
+    screen = _summary_rows("kvpress:kvgrad", 0.9, tasks=("niah_multikey_2", "vt"), n=3)
+    text = "\n".join(summary.like_with_like([("question-agnostic", rows + screen)]))
+    assert "| question-agnostic | 0.5 | kvgrad (kvbudget's) | 57.5 | not run |" in text and "³" not in text
+    sub = _summary_rows("kvpress:kvgrad", 0.9, tasks=tasks, n=3)
+    text = "\n".join(summary.like_with_like([("question-agnostic", rows + sub)]))
+    # kvbudget's 100.0 on the same three samples a task, not its 57.5 over all 20
+    assert "| question-agnostic | 0.5 | kvgrad (kvbudget's) ³ | 100.0 | 90.0 | +10.0 [+10.0, +10.0] |" in text
+    assert text.split("kvgrad (kvbudget's) ³")[1].split("\n")[0].endswith("| 5 × 3 |")
+    assert "³ On a subsample: kvpress's press ran the first 3 samples of each task" in text
+
+
 def test_what_kvpress_does_not_ship_is_picked_on_half_the_samples_and_scored_on_the_other():
     """LAQ (not shipped by kvpress) against kvpress's best press; KVgrad, which kvpress ships, does
     not compete there. "b" leads on the even samples only and "laq" on the odd ones: over all samples

@@ -103,6 +103,13 @@ def like_with_like(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         "",
         *same,
     ]
+    if any(" ³ |" in line for line in same):
+        lines += [
+            "",
+            "³ On a subsample: kvpress's press ran the first 3 samples of each task (needle aside) at "
+            "these ratios, the whole grid not fitting (its KVgrad takes about 200 s a prompt here; "
+            "`bash lab/scripts/kvpress_same_method.sh`); kvbudget's side on the same samples.",
+        ]
     if notes:
         lines += [
             "",

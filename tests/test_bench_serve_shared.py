@@ -52,12 +52,23 @@ def test_multiturn_conversations_on_a_document_reuse_their_turns(tmp_path) -> No
     model, tokenizer = _long_model(), tiny_tokenizer(chat_template=True)
     config = SharedBenchConfig(
         model="tiny", dtype="float32", workload="multiturn", task="sc_keys", length=6000, clients=2,
-        modes=["document"], document_method="expected-attention:kv_bits=4",
+        modes=["document"], document_method="expected-attention:kv_bits=4", sample=1,
     )  # fmt: skip
-    run_shared_bench(config, tmp_path, model=model, tokenizer=tokenizer, progress=lambda _: None)
-    (row,) = json.loads((tmp_path / "serve-shared.json").read_text())["rows"]
+    report = run_shared_bench(config, tmp_path, model=model, tokenizer=tokenizer, progress=lambda _: None)
+    saved = json.loads((tmp_path / "serve-shared.json").read_text())
+    (row,) = saved["rows"]
+    assert saved["config"]["sample"] == 1 and "sc_keys sample 1" in report.read_text()
     assert row["answered"] == row["requests"] == 8 and not row["errors"]
     assert row["document_bytes"] <= row["peak_kv_bytes"] < 2 * row["document_bytes"]
+    # every answer kept; "later" in conversations is by turn: the first request, client 0's three
+    # questions after it (a new conversation) and client 1's four
+    answers = row["answers"]
+    assert sorted((a["client"], a["turn"]) for a in answers) == [
+        (None, 0), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3)
+    ]  # fmt: skip
+    later = [a["score"] for a in answers if a["turn"] > 0]
+    assert row["accuracy_later_turns"] == pytest.approx(sum(later) / len(later))
+    assert "| first turn | later turns |" in report.read_text()
 
 
 def test_a_task_without_follow_ups_or_a_bad_mode_is_refused(tmp_path) -> None:

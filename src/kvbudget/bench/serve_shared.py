@@ -22,7 +22,9 @@ conversation's kept turn). The first request — the document's creation and a f
 — is timed apart from the others, which all run concurrently. Reported per row: the KV bytes held at
 the peak (the document's counted once), what the document itself takes, the first request's time and
 the others' TTFT (p50, p99, max; their max against the first's), TPOT p50/p99, accuracy on the first
-question and on the later ones, and the later ones' accuracy against ``document:full``'s.
+question and on the later ones (``multiturn``: on each conversation's first turn and its later
+turns), the later ones' accuracy against ``document:full``'s, and every answer (client, turn,
+question, score, text).
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, met
             order = [(c + i) % n for i in range(n)]
             if c == 0:
                 order = order[1:]  # its first question was the first request
-            got = _ask_all(base, mode, config, sample, document, order, metric)
+            got = [{**r, "client": c} for r in _ask_all(base, mode, config, sample, document, order, metric)]
             with lock:
                 results.extend(got)
 
@@ -167,8 +169,9 @@ def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, met
     done = [r for r in results if "text" in r]
     ttft = [r["ttft_s"] for r in done if r.get("ttft_s") is not None]
     tpot = [r["tpot_s"] for r in [first, *done] if r.get("tpot_s") is not None]
-    asked_first = [r for r in [first, *done] if "score" in r and r["question"] == 0]
-    later = [r for r in [first, *done] if "score" in r and r["question"] != 0]
+    scored = [r for r in [{**first, "client": None}, *done] if "score" in r]
+    asked_first = [r for r in scored if r["question"] == 0]
+    later = [r for r in scored if r["question"] != 0]
     return {
         "mode": mode, "label": _label(mode, config), "requests": 1 + len(results),
         "answered": int("text" in first) + len(done),
@@ -179,6 +182,9 @@ def run_mode(model, tokenizer, config: SharedBenchConfig, mode: str, sample, met
         "ttft_max_s": max(ttft) if ttft else None,
         "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         "accuracy_first_question": _mean(asked_first), "accuracy_later_questions": _mean(later),
+        "accuracy_first_turn": _mean([r for r in scored if r["turn"] == 0]),
+        "accuracy_later_turns": _mean([r for r in scored if r["turn"] > 0]),
+        "answers": [{k: r.get(k) for k in ("client", "turn", "question", "score", "text")} for r in scored],
     }  # fmt: skip
 
 
@@ -237,17 +243,20 @@ def run_shared_bench(
         progress(f"bench serve --workload {config.workload}: {mode}, {config.clients} clients")
         rows.append(run_mode(model, tokenizer, config, mode, sample, task.metric))
     full = next((r for r in rows if r["mode"] == "document:full"), None)
+    later = _later_key(config)
     for r in rows:
-        base = full and full["accuracy_later_questions"]
-        r["later_vs_full"] = (
-            r["accuracy_later_questions"] / base
-            if base and r["accuracy_later_questions"] is not None
-            else None
-        )
+        base = full and full[later]
+        r["later_vs_full"] = r[later] / base if base and r[later] is not None else None
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve-shared.json").write_text(json.dumps({"config": asdict(config), "rows": rows}, indent=1))
     (out / "serve-shared.md").write_text(markdown(config, rows))
     return out / "serve-shared.md"
+
+
+def _later_key(config: SharedBenchConfig) -> str:
+    """What "later" means: a conversation's turns after its first (``multiturn``), else the questions
+    after the document's first (``shared``: every request is a first turn)."""
+    return "accuracy_later_turns" if config.workload == "multiturn" else "accuracy_later_questions"
 
 
 def _f(value: float | None, fmt: str, scale: float = 1.0) -> str:
@@ -255,6 +264,12 @@ def _f(value: float | None, fmt: str, scale: float = 1.0) -> str:
 
 
 def markdown(config: SharedBenchConfig, rows: list[dict]) -> str:
+    later = _later_key(config)
+    first, unit = (
+        ("accuracy_first_turn", "turn")
+        if config.workload == "multiturn"
+        else ("accuracy_first_question", "question")
+    )
     lines = [
         f"`kvbudget bench serve --workload {config.workload}`: {config.model} ({config.dtype}) on "
         f"{config.device}, "
@@ -263,7 +278,7 @@ def markdown(config: SharedBenchConfig, rows: list[dict]) -> str:
         f"{format_bytes(config.cap_bytes)}.",
         "",
         "| serving | peak KV | document | first request | later TTFT p50 / p99 / max | max later ÷ first "
-        "| TPOT p50 / p99 | first question | later questions | later vs shared full | answered |",
+        f"| TPOT p50 / p99 | first {unit} | later {unit}s | later vs shared full | answered |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -273,8 +288,8 @@ def markdown(config: SharedBenchConfig, rows: list[dict]) -> str:
             f"| {_f(r['first_s'], '.1f')} s | {_f(r['ttft_p50_s'], '.2f')} / {_f(r['ttft_p99_s'], '.2f')} / "
             f"{_f(r['ttft_max_s'], '.2f')} s | {_f(ratio, '.0%', 1)} "
             f"| {_f(r['tpot_p50_s'], '.0f', 1000)} / {_f(r['tpot_p99_s'], '.0f', 1000)} ms "
-            f"| {_f(r['accuracy_first_question'], '.0f', 100)}% "
-            f"| {_f(r['accuracy_later_questions'], '.0f', 100)}% "
+            f"| {_f(r.get(first), '.0f', 100)}% "
+            f"| {_f(r.get(later), '.0f', 100)}% "
             f"| {_f(r['later_vs_full'], '.0%', 1)} | {r['answered']} / {r['requests']} |"
         )
     return "\n".join(lines) + "\n"

@@ -199,6 +199,9 @@ def bench_serve(
     document_method: Annotated[
         str, typer.Option(help="--workload shared/multiturn: the shared document's method and size.")
     ] = "kvzip:memory=0.125",
+    sample: Annotated[
+        int, typer.Option(help="--workload shared/multiturn: which of the task's samples is the document.")
+    ] = 0,
     chunk_tokens: Annotated[
         int, typer.Option(help="Read prompts this long a layer at a time while others decode (0: never).")
     ] = 1024,
@@ -241,13 +244,14 @@ def bench_serve(
         bench_soak(model, methods, memory_cap, clients, soak, check.dtype(dtype), device, out)
         return
     check.at_least(chunk_tokens, 0, "--chunk-tokens")
+    check.at_least(sample, 0, "--sample")
     if workload != "needle":
         from kvbudget.bench.serve_shared import SharedBenchConfig, run_shared_bench
 
         per_request = [m for m in split_values(methods) if m != "full"] or ["snapkv"]
         config = SharedBenchConfig(
             model=model, dtype=check.dtype(dtype), workload=workload,
-            task=task if task != "needle" else "sc_keys", length=length, clients=clients,
+            task=task if task != "needle" else "sc_keys", length=length, sample=sample, clients=clients,
             document_method=document_method, per_request_method=per_request[0],
             modes=split_values([modes]),
             ratio=ratio, cap_bytes=parse_size(memory_cap) if memory_cap else 1 << 30, time_limit_s=time_limit,

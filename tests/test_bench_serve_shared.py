@@ -63,8 +63,8 @@ def test_multiturn_conversations_on_a_document_reuse_their_turns(tmp_path) -> No
     # every answer kept; "later" in conversations is by turn: the first request, client 0's three
     # questions after it (a new conversation) and client 1's four
     answers = row["answers"]
-    assert sorted((a["client"], a["turn"]) for a in answers) == [
-        (None, 0), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3)
+    assert sorted((-1 if a["client"] is None else a["client"], a["turn"]) for a in answers) == [
+        (-1, 0), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3)
     ]  # fmt: skip
     later = [a["score"] for a in answers if a["turn"] > 0]
     assert row["accuracy_later_turns"] == pytest.approx(sum(later) / len(later))

@@ -506,6 +506,40 @@ def test_the_server_default_is_the_cheapest_candidate_that_holds_later_turns_in_
     assert table[-1].startswith("Running (11 of 11 candidates") and "| mid r=0.75 | 0.30 |" in table[2]
 
 
+def test_equal_bytes_rule_ahead_behind_and_running_by_hand():
+    """docs/leaderboard.md's equal-bytes rule on rows made by hand: the byte budget against eviction
+    alone on later turns, paired per sample; a comparison without every sample says how far it is."""
+    _load()
+    from claims import equal_bytes as eb
+
+    def rows_of(label, ratio, later, task, bytes_=2**20, n=20):
+        out = []
+        for r in _conversation_rows(label, ratio, later[:n], task=task):
+            r.update(key=r["key"] + task, physical_bytes=bytes_, logical_bytes=8 * 2**20)
+            out.append(r)
+        return out
+
+    rows = []
+    for task in eb.SC_TASKS:
+        rows += rows_of("full", None, [1.0] * 20, task, bytes_=8 * 2**20)
+        rows += rows_of("kvzip:memory=0.125", None, [1.0] * 20, task)  # budget 100, eviction 0: ahead
+        rows += rows_of("kvzip", 0.875, [0.0] * 20, task)
+        rows += rows_of("snapkv:memory=0.125", None, [0.0] * 20, task)  # budget 0, eviction 100: behind
+        rows += rows_of("snapkv", 0.875, [1.0] * 20, task)
+        n = 20 if task != "sc_vt" else 7  # expected attention's budget still running on sc_vt
+        rows += rows_of("expected-attention:memory=0.125", None, [1.0] * 20, task, n=n)
+        rows += rows_of("expected-attention", 0.875, [1.0] * 20, task)
+    table = eb.equal_bytes_table(rows, [], [])
+    line = {(c[1], c[2]): c for c in ([x.strip() for x in row.strip("|").split("|")] for row in table[2:])}
+    kvzip = line[("kvzip", "multi-turn")]
+    assert kvzip[3] == "100.0, 12.5%" and kvzip[5] == "+100.0 [+100.0, +100.0]" and kvzip[6] == "ahead"
+    assert kvzip[7] == "3 × 20"
+    assert line[("snapkv", "multi-request")][6] == "behind"
+    ea = line[("expected-attention", "multi-turn")]
+    assert ea[3] == "running (sc_keys 20, sc_code 20, sc_vt 7 of 20)" and ea[6] == ""
+    assert line[("kvzip", "one question")][3].startswith("running (needle 0,")
+
+
 def _summary_rows(label: str, score, ratio: float = 0.5, tasks=("niah_multikey_2", "vt"), n: int = 20,
                   answer: str = "a") -> list[dict]:  # fmt: skip
     return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": ratio,

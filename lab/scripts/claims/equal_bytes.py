@@ -25,6 +25,7 @@ from kvbudget.eval.turns_report import is_conversation, later_turns
 from .common import has_results
 
 LEVEL = 0.05
+SAMPLES = 20  # a task's samples in the grid (lab/scripts/byte_budget_grid.sh)
 MEMORY = 0.125
 RATIO = 0.875
 SC_TASKS = ("sc_keys", "sc_code", "sc_vt")
@@ -66,6 +67,27 @@ def _by_sample(rows: list[dict], wanted: Callable[[dict], bool]) -> dict[tuple[s
     return {(r["task"], r["sample"]): r for r in rows if wanted(r)}
 
 
+def _paired(full: dict, budget: dict, evict: dict) -> dict[str, list[tuple[dict, dict, dict]]]:
+    """Per task, the (byte budget, eviction, full) rows of each sample all three have."""
+    per_task: dict[str, list[tuple[dict, dict, dict]]] = defaultdict(list)
+    for key in sorted(set(budget) & set(evict) & set(full)):
+        per_task[key[0]].append((budget[key], evict[key], full[key]))
+    return per_task
+
+
+def progress(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...]) -> str:
+    """A comparison still running: per task, the samples both sides and the full cache have."""
+    here = [r for r in rows if r["task"] in tasks and r.get("error") is None]
+    if mode is not None:
+        here = [r for r in here if is_conversation(r) and r["conversation"] == mode]
+    per_task = _paired(
+        _by_sample(here, lambda r: r["label"] == "full"),
+        _by_sample(here, lambda r: r["label"] == f"{method}:memory={MEMORY:g}"),
+        _by_sample(here, lambda r: r["label"] == method and r.get("compression_ratio") == RATIO),
+    )
+    return ", ".join(f"{t} {len(per_task.get(t, ()))}" for t in tasks) + f" of {SAMPLES}"
+
+
 def comparison(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...], level: float):
     """(difference interval, byte budget's score, eviction's score, their bytes shares, tasks, n) for
     ``method`` in ``mode``, or ``None`` while a task is incomplete."""
@@ -76,9 +98,7 @@ def comparison(rows: list[dict], method: str, mode: str | None, tasks: tuple[str
     budget = _by_sample(here, lambda r: r["label"] == f"{method}:memory={MEMORY:g}")
     evict = _by_sample(here, lambda r: r["label"] == method and r.get("compression_ratio") == RATIO)
     value = _value(mode)
-    per_task: dict[str, list[tuple[dict, dict, dict]]] = defaultdict(list)
-    for key in sorted(set(budget) & set(evict) & set(full)):
-        per_task[key[0]].append((budget[key], evict[key], full[key]))
+    per_task = _paired(full, budget, evict)
     samples = {t: len({s for (task, s) in full if task == t}) for t in tasks}
     if not per_task or any(len(per_task.get(t, ())) < samples[t] or samples[t] == 0 for t in tasks):
         return None
@@ -114,7 +134,8 @@ def equal_bytes_table(sc_rows: list[dict], aware_rows: list[dict], agnostic_rows
                 found = comparison(sources[family.name], method, mode, family.tasks, 1 - LEVEL / m)
                 where = mode or "one question"
                 if found is None:
-                    lines.append(f"| {family.name} | {method} | {where} | running | | | | |")
+                    done = progress(sources[family.name], method, mode, family.tasks)
+                    lines.append(f"| {family.name} | {method} | {where} | running ({done}) | | | | |")
                     continue
                 d, a, b, a_bytes, b_bytes, n_tasks, n = found
                 lines.append(

@@ -215,3 +215,21 @@ def test_requests_with_one_long_system_prompt_share_it_compressed_once(model_and
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
         )
         assert own.usage.model_extra["kvbudget"]["document"] is None
+
+
+def test_the_servers_document_precision_applies_to_a_full_document_unless_the_body_says(
+    model_and_tokenizer,
+) -> None:
+    """`--document-method full:kv_bits=4`: a document posted without a method is stored at 4 bits
+    (fewer bytes than the same document in the model's dtype); one asking for `kv_bits: 16`, or
+    naming its own precision, gets that."""
+    model, tokenizer = model_and_tokenizer
+    scheduler = Scheduler(model, tokenizer, 64 << 20, default=Compression("full"),
+                          document_default=Compression.from_spec("full:kv_bits=4"))  # fmt: skip
+    with serving(create_app(scheduler, NAME)) as base:
+        by_default = _create(base, text=DOCUMENT).json()
+        in_dtype = _create(base, text=DOCUMENT, kv_bits=16).json()
+        at_two = _create(base, text=DOCUMENT, method="full", kv_bits=2).json()
+    assert (by_default["method"], by_default["kv_bits"]) == ("full", 4)
+    assert in_dtype["kv_bits"] is None and at_two["kv_bits"] == 2  # None: the model's dtype
+    assert at_two["kv_bytes"] < by_default["kv_bytes"] < in_dtype["kv_bytes"] / 2

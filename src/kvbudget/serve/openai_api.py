@@ -251,7 +251,8 @@ def _document_compression(body: DocumentRequest, default: Compression) -> Compre
         raise APIError(400, str(exc), "method") from None
     if body.memory is not None:
         return Compression(method, memory=body.memory)
-    bits = None if body.kv_bits == 16 else body.kv_bits
+    # the body's kv_bits (16: the model's dtype), else the server's (`--document-method full:kv_bits=4`)
+    bits = default.kv_bits if body.kv_bits is None else None if body.kv_bits == 16 else body.kv_bits
     if method == "full":
         return Compression("full", kv_bits=bits)
     if body.budget is not None or body.ratio is not None:
@@ -262,7 +263,7 @@ def _document_compression(body: DocumentRequest, default: Compression) -> Compre
                            "byte budget (memory)", "kv_bits")  # fmt: skip
         return Compression(method, memory=default.memory)
     size = (default.budget, default.ratio) if (default.budget, default.ratio) != (None, None) else (None, 0.5)
-    return Compression(method, *size, bits if bits is not None else default.kv_bits)
+    return Compression(method, *size, bits)
 
 
 def resolve_compression(options: KVBudgetOptions | None, default: Compression) -> Compression:

@@ -501,9 +501,13 @@ def test_the_server_default_is_the_cheapest_candidate_that_holds_later_turns_in_
         rule.configurations(full + rows_of("a", 0.5, [0.0] * 20) + rows_of("b", 0.5, [0.5] * 20, mib=2.0))
     )
     assert best.name == "b r=0.5" and why.startswith("none holds")
+    # the documents' default has no cost bound: the slow compression with the fewest bytes wins
+    assert rule.choose(configs, document=True)[0].name == "slow r=0.5"
     # the named candidates have not run: the block waits
     table = rule.server_default_table(full + mid)
-    assert table[-1].startswith("Running (11 of 11 candidates") and "| mid r=0.75 | 0.30 |" in table[2]
+    assert "| mid r=0.75 | 0.30 |" in table[2] and table[2].endswith("| yes | yes |")
+    assert table[-3].startswith("The conversations' default (`--method`): running (11 of 11 candidates")
+    assert table[-1].startswith("The documents' default (`--document-method`): running (16 of 16")
 
 
 def test_equal_bytes_rule_ahead_behind_and_running_by_hand():

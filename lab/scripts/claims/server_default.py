@@ -1,19 +1,22 @@
-"""docs/leaderboard.md's ``server-default`` block: `kvbudget serve`'s default compression, chosen from the
-question-agnostic shared-context rows by the rule written before their 20-sample figures
+"""docs/leaderboard.md's ``server-default`` block: `kvbudget serve`'s default compressions, chosen from
+the question-agnostic shared-context rows by the rule written before their 20-sample figures
 (docs/leaderboard.md, "The server's default").
 
 1. Candidates: each configuration of the section's question-agnostic rows, with every sample of the
-   three tasks in both modes, whose first-prompt compression adds at most :data:`MAX_COMPRESS_SHARE`
-   of the prompt's prefill time (means over the rows) and whose cache takes at most
-   :data:`MAX_BYTES_SHARE` of the full cache's bytes.
+   three tasks in both modes, whose cache takes at most :data:`MAX_BYTES_SHARE` of the full cache's
+   bytes; for the conversations' default (``--method``, paid on every request) also whose
+   first-prompt compression adds at most :data:`MAX_COMPRESS_SHARE` of the prompt's prefill time
+   (means over the rows). The documents' default (``--document-method``) has no such bound: a
+   document's compression is paid once.
 2. The default is the candidate that **holds** later turns in both modes (the section's verdict)
    with the fewest bytes; candidates within :data:`BYTES_TIE` of the fewest are a tie, won by the
    higher multi-turn later-turn score.
 3. If none holds in both modes, the candidate whose lower interval bound, the smaller of its two
    modes', is highest.
 
-The rule decides only once every configuration of :data:`CANDIDATES` has :data:`SAMPLES` samples of
-each task; until then the block says which are running.
+Each decides only once every configuration of its list (:data:`CANDIDATES`,
+:data:`DOCUMENT_CANDIDATES`) has :data:`SAMPLES` samples of each task; until then the block says
+which are running.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ CANDIDATES = (
 )  # fmt: skip
 
 
+#: the document method's candidates: the conversations' and KVzip's (lab/scripts/byte_budget_grid.sh,
+#: "sc headline" and "sc points"), its compression paid once a document
+DOCUMENT_CANDIDATES = (
+    *CANDIDATES, ("kvzip", 0.875), ("kvzip:memory=0.125", None), ("kvzip:memory=0.0625", None),
+    ("kvzip:kv_bits=4", 0.5), ("kvzip:kv_bits=4", 0.75),
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One configuration's two modes, with its costs against the full cache."""
@@ -61,7 +72,13 @@ class Configuration:
 
     @property
     def eligible(self) -> bool:
-        return self.compress_share <= MAX_COMPRESS_SHARE and self.bytes_share <= MAX_BYTES_SHARE
+        """A conversation default: cheap to compress and at most half the bytes."""
+        return self.compress_share <= MAX_COMPRESS_SHARE and self.document_eligible
+
+    @property
+    def document_eligible(self) -> bool:
+        """A document default: at most half the bytes (its compression is paid once)."""
+        return self.bytes_share <= MAX_BYTES_SHARE
 
     @property
     def holds(self) -> bool:
@@ -95,9 +112,10 @@ def configurations(rows: list[dict]) -> list[Configuration]:
     return sorted(out, key=lambda c: (c.bytes_share, c.name))
 
 
-def choose(configs: list[Configuration]) -> tuple[Configuration | None, str]:
-    """The rule's default among ``configs`` and the clause that chose it."""
-    candidates = [c for c in configs if c.eligible]
+def choose(configs: list[Configuration], document: bool = False) -> tuple[Configuration | None, str]:
+    """The rule's default among ``configs`` (``document``: the document method's, without the cost
+    bound) and the clause that chose it."""
+    candidates = [c for c in configs if (c.document_eligible if document else c.eligible)]
     if not candidates:
         return None, "no candidate"
     holding = [c for c in candidates if c.holds]
@@ -117,30 +135,36 @@ def _cell(e: Entry) -> str:
 def server_default_table(rows: list[dict]) -> list[str]:
     """The block: every complete configuration's costs and later-turn verdicts, then the default."""
     configs = configurations(rows)
-    done = {(c.label, c.ratio) for c in configs}
-    missing = [
-        f"{label}{'' if r is None else f' r={r:g}'}" for label, r in CANDIDATES if (label, r) not in done
-    ]
     lines = [
         "| configuration | bytes ÷ full | compress ÷ prefill | multi-turn: later − full, verdict "
-        "| multi-request: later − full, verdict | candidate |",
-        "|---|---|---|---|---|---|",
+        "| multi-request: later − full, verdict | conversations' candidate | documents' candidate |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in configs:
         lines.append(
             f"| {c.name} | {c.bytes_share:.2f} | {c.compress_share:.2f} | {_cell(c.modes['multi-turn'])} "
-            f"| {_cell(c.modes['multi-request'])} | {'yes' if c.eligible else 'no'} |"
+            f"| {_cell(c.modes['multi-request'])} | {'yes' if c.eligible else 'no'} "
+            f"| {'yes' if c.document_eligible else 'no'} |"
         )
-    if missing:
-        waiting = f"{len(missing)} of {len(CANDIDATES)} candidates without {SAMPLES} samples of each task"
-        lines += [
-            "",
-            f"Running ({waiting}): {', '.join(missing)}. The server keeps its current default until then.",
-        ]
-        return lines
-    best, why = choose(configs)
-    lines += ["", f"**Default: {best.name if best else 'none'}** ({why})."]
+    lines += ["", _decision(configs, CANDIDATES, "the conversations' default (`--method`)", False)]
+    lines += [
+        "",
+        _decision(configs, DOCUMENT_CANDIDATES, "the documents' default (`--document-method`)", True),
+    ]
     return lines
+
+
+def _decision(configs: list[Configuration], named, what: str, document: bool) -> str:
+    """The rule's decision for ``what``, or which of its ``named`` candidates are still running."""
+    done = {(c.label, c.ratio) for c in configs}
+    missing = [f"{label}{'' if r is None else f' r={r:g}'}" for label, r in named if (label, r) not in done]
+    if missing:
+        waiting = f"{len(missing)} of {len(named)} candidates without {SAMPLES} samples of each task"
+        return (
+            f"{what[0].upper() + what[1:]}: running ({waiting}: {', '.join(missing)}); unchanged until then."
+        )
+    best, why = choose([c for c in configs if (c.label, c.ratio) in set(named)], document)
+    return f"**{what[0].upper() + what[1:]}: {best.name if best else 'none'}** ({why})."
 
 
 def server_default_blocks(agnostic: Path) -> dict[str, list[str]]:

@@ -16,11 +16,7 @@ PY=${PY:-.venv/bin/python}
 RUN="$PY lab/scripts/leaderboard_run.py"
 OUT=lab/results/shared-context-agnostic
 TASKS=sc_keys,sc_code,sc_vt
-step() {
-  echo "=== $(date -u +%FT%TZ) $1"
-  shift
-  "$@" || echo "=== step failed (exit $?): $*"
-}
+source "$(dirname "$0")/step.sh"
 # quantization alone: the full cache at 8, 4 and 2 bits (a ratio only picks the runner's part of the
 # plan: the full cache runs once whatever it is)
 step "quantization alone" $RUN $OUT --agnostic --tasks $TASKS --limit 5 --compression-ratios 0.5 \

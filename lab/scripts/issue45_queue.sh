@@ -18,11 +18,7 @@ P=lab/results/claims-baklava/profile.json
 # FROM="kvpress screen's best" starts at the step of that name: the finished steps before it would
 # each load the model and read their rows only to skip them (about 9 minutes in all).
 FROM=${FROM:-}
-run_step() {
-  echo "=== $(date -u +%FT%TZ) $1"
-  shift
-  "$@" || echo "=== step failed (exit $?): $*"
-}
+run_source "$(dirname "$0")/step.sh"
 step() {
   if [ -n "$FROM" ] && [ "$1" != "$FROM" ]; then
     echo "=== skipped (before FROM): $1"

@@ -107,7 +107,8 @@ def like_with_like(tracks: list[tuple[str, list[dict]]]) -> list[str]:
         lines += [
             "",
             "³ On a subsample: kvpress's press ran the first 3 samples of each task (needle aside) at "
-            "these ratios, the whole grid not fitting (its KVgrad takes about 200 s a prompt here; "
+            "these ratios, the whole grid not fitting (its KVgrad took 1.3–3.8 minutes a prompt here, "
+            "answers included; "
             "`bash lab/scripts/kvpress_same_method.sh`); kvbudget's side on the same samples.",
         ]
     if notes:

@@ -6,11 +6,7 @@
 #     nohup bash lab/scripts/serving_capacity.sh > runs/serving-capacity.log 2>&1 &
 set -u
 KVB=${KVB:-.venv/bin/kvbudget}
-step() {
-  echo "=== $(date -u +%FT%TZ) $1"
-  shift
-  "$@" || echo "=== step failed (exit $?): $*"
-}
+source "$(dirname "$0")/step.sh"
 step "8K needles: byte budget, prompts read at once" $KVB bench serve --model qwen2.5-coder-0.5b \
   --length 8192 --clients 9 --requests 9 --max-tokens 64 --ignore-eos --chunk-tokens 0 \
   --methods snapkv:memory=0.125 --out lab/results/serve-cpu-8k-bytes-at-once

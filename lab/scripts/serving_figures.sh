@@ -7,11 +7,7 @@
 #     nohup bash lab/scripts/serving_figures.sh > runs/serving-figures.log 2>&1 &
 set -u
 KVB=${KVB:-.venv/bin/kvbudget}
-step() {
-  echo "=== $(date -u +%FT%TZ) $1"
-  shift
-  "$@" || echo "=== step failed (exit $?): $*"
-}
+source "$(dirname "$0")/step.sh"
 # the byte budget under the cap of two full conversations, beside the full cache, SnapKV keeping
 # 12.5% and quantization alone; the others' TPOT while 8K prompts are read in pieces
 step "8K needles: bytes, chunked prefill" $KVB bench serve --model qwen2.5-coder-0.5b --length 8192 \

@@ -18,11 +18,7 @@ AWARE=full,snapkv,chunkkv,laq
 # kvpress's best question-agnostic presses on the leaderboard's core tasks (docs/leaderboard.md);
 # its pipeline answers several questions about one context as separate requests only
 PRESSES=expected_attention,chunkkv
-step() {
-  echo "=== $(date -u +%FT%TZ) $1"
-  shift
-  "$@" || echo "=== step failed (exit $?): $*"
-}
+source "$(dirname "$0")/step.sh"
 # sc_aggregate last in each round: its 64-token answers, which compressed caches often run to the
 # cap, make a run about 50 s (the other tasks: 5-11 s)
 for limit in 5 20; do

@@ -67,38 +67,34 @@ def _by_sample(rows: list[dict], wanted: Callable[[dict], bool]) -> dict[tuple[s
     return {(r["task"], r["sample"]): r for r in rows if wanted(r)}
 
 
-def _paired(full: dict, budget: dict, evict: dict) -> dict[str, list[tuple[dict, dict, dict]]]:
-    """Per task, the (byte budget, eviction, full) rows of each sample all three have."""
-    per_task: dict[str, list[tuple[dict, dict, dict]]] = defaultdict(list)
-    for key in sorted(set(budget) & set(evict) & set(full)):
-        per_task[key[0]].append((budget[key], evict[key], full[key]))
-    return per_task
-
-
-def progress(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...]) -> str:
-    """A comparison still running: per task, the samples both sides and the full cache have."""
-    here = [r for r in rows if r["task"] in tasks and r.get("error") is None]
-    if mode is not None:
-        here = [r for r in here if is_conversation(r) and r["conversation"] == mode]
-    per_task = _paired(
-        _by_sample(here, lambda r: r["label"] == "full"),
-        _by_sample(here, lambda r: r["label"] == f"{method}:memory={MEMORY:g}"),
-        _by_sample(here, lambda r: r["label"] == method and r.get("compression_ratio") == RATIO),
-    )
-    return ", ".join(f"{t} {len(per_task.get(t, ()))}" for t in tasks) + f" of {SAMPLES}"
-
-
-def comparison(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...], level: float):
-    """(difference interval, byte budget's score, eviction's score, their bytes shares, tasks, n) for
-    ``method`` in ``mode``, or ``None`` while a task is incomplete."""
+def _paired(
+    rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...]
+) -> tuple[dict[tuple[str, int], dict], dict[str, list[tuple[dict, dict, dict]]]]:
+    """The full cache's rows by (task, sample), and per task the (byte budget, eviction, full) rows
+    of each sample all three have, in ``mode`` (``None``: one-question rows)."""
     here = [r for r in rows if r["task"] in tasks and r.get("error") is None]
     if mode is not None:
         here = [r for r in here if is_conversation(r) and r["conversation"] == mode]
     full = _by_sample(here, lambda r: r["label"] == "full")
     budget = _by_sample(here, lambda r: r["label"] == f"{method}:memory={MEMORY:g}")
     evict = _by_sample(here, lambda r: r["label"] == method and r.get("compression_ratio") == RATIO)
+    per_task: dict[str, list[tuple[dict, dict, dict]]] = defaultdict(list)
+    for key in sorted(set(budget) & set(evict) & set(full)):
+        per_task[key[0]].append((budget[key], evict[key], full[key]))
+    return full, per_task
+
+
+def progress(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...]) -> str:
+    """A comparison still running: per task, the samples both sides and the full cache have."""
+    per_task = _paired(rows, method, mode, tasks)[1]
+    return ", ".join(f"{t} {len(per_task.get(t, ()))}" for t in tasks) + f" of {SAMPLES}"
+
+
+def comparison(rows: list[dict], method: str, mode: str | None, tasks: tuple[str, ...], level: float):
+    """(difference interval, byte budget's score, eviction's score, their bytes shares, tasks, n) for
+    ``method`` in ``mode``, or ``None`` while a task is incomplete."""
+    full, per_task = _paired(rows, method, mode, tasks)
     value = _value(mode)
-    per_task = _paired(full, budget, evict)
     samples = {t: len({s for (task, s) in full if task == t}) for t in tasks}
     if not per_task or any(len(per_task.get(t, ())) < samples[t] or samples[t] == 0 for t in tasks):
         return None

@@ -146,10 +146,10 @@ def server_default_table(rows: list[dict]) -> list[str]:
             f"| {_cell(c.modes['multi-request'])} | {'yes' if c.eligible else 'no'} "
             f"| {'yes' if c.document_eligible else 'no'} |"
         )
-    lines += ["", _decision(configs, CANDIDATES, "the conversations' default (`--method`)", False)]
+    lines += ["", _decision(configs, CANDIDATES, "The conversations' default (`--method`)", False)]
     lines += [
         "",
-        _decision(configs, DOCUMENT_CANDIDATES, "the documents' default (`--document-method`)", True),
+        _decision(configs, DOCUMENT_CANDIDATES, "The documents' default (`--document-method`)", True),
     ]
     return lines
 
@@ -160,11 +160,9 @@ def _decision(configs: list[Configuration], named, what: str, document: bool) ->
     missing = [f"{label}{'' if r is None else f' r={r:g}'}" for label, r in named if (label, r) not in done]
     if missing:
         waiting = f"{len(missing)} of {len(named)} candidates without {SAMPLES} samples of each task"
-        return (
-            f"{what[0].upper() + what[1:]}: running ({waiting}: {', '.join(missing)}); unchanged until then."
-        )
+        return f"{what}: running ({waiting}: {', '.join(missing)}); unchanged until then."
     best, why = choose([c for c in configs if (c.label, c.ratio) in set(named)], document)
-    return f"**{what[0].upper() + what[1:]}: {best.name if best else 'none'}** ({why})."
+    return f"**{what}: {best.name if best else 'none'}** ({why})."
 
 
 def server_default_blocks(agnostic: Path) -> dict[str, list[str]]:

@@ -35,11 +35,16 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _toy_wheel(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     wheel = directory / "toy-1.0-py3-none-any.whl"
+    members = {
+        "toy/data/a.txt": "alpha",
+        "toy/data/b.txt": "beta",
+        "toy/data/unwanted.txt": "not unpacked",
+        "toy/__init__.py": "",
+    }
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("toy/data/a.txt", "alpha")
-        archive.writestr("toy/data/b.txt", "beta")
-        archive.writestr("toy/data/unwanted.txt", "not unpacked")
-        archive.writestr("toy/__init__.py", "")
+        for name, text in members.items():
+            # A fixed timestamp: the wheel's bytes (and sha256) must not depend on the clock.
+            archive.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), text)
     return wheel
 
 

@@ -164,3 +164,28 @@ def test_without_a_kernel_attention_dequantizes_after_one_warning(monkeypatch, c
     monkeypatch.setenv(quantized_read.ENV_SWITCH, "0")
     for a, b in zip(without, _decode_logits(model, prompt, 3), strict=True):
         assert a.equal(b)
+
+
+def test_a_killed_build_does_not_make_later_builds_wait_forever(monkeypatch, tmp_path):
+    """torch's ``lock`` file left in the build directory by a build killed midway is cleared under
+    kvbudget's own lock; the build directory is one per interpreter (virtual environments on one
+    machine do not rebuild each other's copy)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    seen = {}
+
+    def fake_load(**kwargs):
+        directory = kwargs["build_directory"]
+        seen.update(kwargs, stale_lock_present=(tmp_path / kwargs["name"] / "lock").exists())
+        return directory
+
+    name = quantized_read._build_name(quantized_read._flags())
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "lock").touch()  # the baton of a build killed midway
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    built = quantized_read._build()
+    assert seen["stale_lock_present"] is False
+    assert seen["name"] == name and built == str(tmp_path / name)
+    monkeypatch.setattr(quantized_read.sys, "executable", "/another/venv/bin/python")
+    assert quantized_read._build_name(quantized_read._flags()) != name

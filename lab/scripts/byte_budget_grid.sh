@@ -6,7 +6,8 @@
 #     KVBUDGET_LOCK=/tmp/kvb-torch.lock nohup bash lab/scripts/byte_budget_grid.sh >> runs/bytes-grid.log 2>&1 &
 #     .venv/bin/python lab/scripts/equal_bytes_plot.py ...   (the table and plot: docs/leaderboard.md)
 #
-# Headline rows first (the family), then the exploratory points of the plot.
+# Headline rows first (the three families), then the server default's candidates, then the
+# exploratory points of the plot.
 set -u
 PY=${PY:-.venv/bin/python}
 RUN="$PY lab/scripts/leaderboard_run.py"
@@ -24,16 +25,16 @@ step "seed agnostic" $PY lab/scripts/seed_rows.py lab/results/leaderboard-agnost
 # 1. the shared-context family: M:memory=0.125 against M at r = 0.875, later turns, 20 samples a task
 step "sc headline" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.875 \
   --methods full,snapkv,expected-attention,kvzip,snapkv:memory=0.125,expected-attention:memory=0.125,kvzip:memory=0.125
-# 1b. the server default's cheap candidates (docs/leaderboard.md, "The server's default"), 20 samples a
-# task: Expected Attention at r = 0.75 / 0.5, also stored at 4 bits, and under a smaller byte budget;
-# quantization alone
-step "sc cheap points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
-  --methods expected-attention,expected-attention:kv_bits=4,expected-attention:memory=0.0625,full:kv_bits=4,full:kv_bits=2
 # 2. the leaderboard's core tasks, one question: question-aware SnapKV, question-agnostic KVzip and
 # Expected Attention
 step "core aware" $RUN $AWARE --tasks $CORE --compression-ratios 0.875 --methods full,snapkv,snapkv:memory=0.125
 step "core agnostic" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.875 \
   --methods full,expected-attention,kvzip,expected-attention:memory=0.125,kvzip:memory=0.125
+# 2b. the server default's cheap candidates (docs/leaderboard.md, "The server's default"), 20 samples a
+# task: Expected Attention at r = 0.75 / 0.5, also stored at 4 bits, and under a smaller byte budget;
+# quantization alone
+step "sc cheap points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
+  --methods expected-attention,expected-attention:kv_bits=4,expected-attention:memory=0.0625,full:kv_bits=4,full:kv_bits=2
 # 3. exploratory points: KVzip stored at 4 bits and under a smaller byte budget
 step "sc points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
   --methods kvzip:kv_bits=4,kvzip:memory=0.0625

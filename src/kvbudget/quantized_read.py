@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvbudget.artifacts import file_lock
 from kvbudget.quantized_store import QuantizedHead, TieredHead
 from kvbudget.shared_prefix import PlainHead, SharedHead
 
@@ -81,19 +83,42 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = before
 
 
+def _flags() -> list[str]:
+    return ["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()]
+
+
+def _build_name(flags: Sequence[str]) -> str:
+    """The extension's name, one per source, flags, torch and interpreter: two virtual
+    environments on one machine (each with its own torch headers) never rebuild each other's copy."""
+    identity = "\n".join([SOURCE.read_text(), " ".join(flags), torch.__version__, sys.executable])
+    return f"kvbudget_quantized_decode_{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+
+
 def _build() -> ModuleType:
+    """Builds (or loads the cached build of) the kernel under torch's extension root.
+
+    torch serializes builds of one extension with a ``lock`` file in its build directory that
+    a killed build leaves behind, after which every later build waits for it forever. The build is
+    serialized here with an ``flock`` instead (released when its holder dies), and under it a
+    leftover ``lock`` file can only be a dead build's: it is removed."""
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()]
-    tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
-    with _ninja_on_path():
-        return cpp_extension.load(
-            name=f"kvbudget_quantized_decode_{tag}",
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+    flags = _flags()
+    name = _build_name(flags)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_directory = Path(root) / name
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with file_lock(build_directory.parent / f".{name}.lock"):
+        (build_directory / "lock").unlink(missing_ok=True)
+        with _ninja_on_path():
+            return cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_directory),
+                verbose=False,
+            )
 
 
 def kernel() -> ModuleType | None:

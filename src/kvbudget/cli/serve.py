@@ -13,6 +13,7 @@ from kvbudget.cli.base import user_errors
 from kvbudget.cli.options import DtypeOption, KvBitsOption, ModelOption
 from kvbudget.errors import InputError
 from kvbudget.extras import needs_extra
+from kvbudget.serve import defaults
 
 
 @user_errors
@@ -22,7 +23,7 @@ def serve(
     method: Annotated[
         str,
         typer.Option(help="Default method of a request that names none (`name` or `name:key=value,...`)."),
-    ] = "snapkv",
+    ] = defaults.METHOD,
     budget: Annotated[int | None, typer.Option(help="Default entries per KV head.")] = None,
     ratio: Annotated[
         float | None, typer.Option(help="Default fraction of the prompt kept, in (0, 1].")
@@ -42,7 +43,7 @@ def serve(
             "no method: a spec with its size (`kvzip:memory=0.125`, a byte budget; `kvzip:kv_bits=4` keeps "
             "half, at 4 bits)."
         ),
-    ] = "kvzip:memory=0.125",
+    ] = defaults.DOCUMENT_METHOD,
     memory_cap: Annotated[
         str, typer.Option(help="KV cache bytes the server may hold, all conversations together (e.g. 2GiB).")
     ] = "2GiB",

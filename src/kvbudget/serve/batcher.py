@@ -33,6 +33,7 @@ from kvbudget.methods.spec import MethodSpec
 from kvbudget.phases import Stage
 from kvbudget.prefill.common import Prompt, forward_last_logits
 from kvbudget.quantized_store import GROUP, quantized_entry_bytes
+from kvbudget.serve import defaults
 from kvbudget.session import CompressionSession
 
 _ids = itertools.count()
@@ -44,7 +45,7 @@ class Compression:
     preset ``name@preset``) and a budget (entries per KV head) or a ratio (fraction of the prompt
     kept), as ``kvbudget.generate`` takes them. ``method="full"`` keeps everything."""
 
-    method: str = "snapkv"
+    method: str = defaults.METHOD
     budget: int | None = None
     ratio: float | None = None
     kv_bits: int | None = None  # stored at 2, 4 or 8 bits after the prefill; None: the model's dtype

@@ -43,6 +43,7 @@ from kvbudget.engine import check_size
 from kvbudget.errors import InputError, MissingExtraError
 from kvbudget.extras import extra_hint, needs_extra, require_extra
 from kvbudget.methods.spec import MethodSpec
+from kvbudget.serve import defaults
 from kvbudget.serve.batcher import Compression
 from kvbudget.units import parse_size
 
@@ -84,7 +85,7 @@ class ReplicaConfig:
     dtype: str
     cache_dir: str | None = None
     cache_dir_cap: int = 10 << 30
-    document_method: str = "kvzip:memory=0.125"
+    document_method: str = defaults.DOCUMENT_METHOD
 
 
 class ServeReplica:
@@ -161,7 +162,7 @@ def ray_serve() -> Any:
 def replica_config(
     model: str | os.PathLike[str] | ModelFactory = "smollm2-135m",
     memory_cap: int | str = "2GiB",
-    method: str = "snapkv",
+    method: str = defaults.METHOD,
     budget: int | None = None,
     ratio: float | None = None,
     max_queue: int = 64,
@@ -171,7 +172,7 @@ def replica_config(
     dtype: str = "bfloat16",
     cache_dir: str | os.PathLike[str] | None = None,
     cache_dir_cap: int | str = "10GiB",
-    document_method: str = "kvzip:memory=0.125",
+    document_method: str = defaults.DOCUMENT_METHOD,
 ) -> ReplicaConfig:
     """A :class:`ReplicaConfig` from ``kvbudget serve``'s options, with its one-line errors (a local
     model path is made absolute: a replica's working directory is not the driver's)."""

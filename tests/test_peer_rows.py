@@ -595,6 +595,65 @@ def test_kvpress_answers_a_shared_context_as_separate_requests_like_ours(tiny_di
     assert peer_rows.run_peer_rows(aware, tmp_path / "aware", ["snapkv"], PEER, progress=False) == 0
 
 
+@needs_peer
+def test_a_shared_context_on_transformers_quantized_cache_answers_each_request_from_the_same_context(
+    tmp_path, monkeypatch
+):
+    """The equal-bytes anchors on the shared-context tasks: each later question a request on a copy
+    of the context's QuantizedCache (quanto's tensors cannot be deep-copied). The same question
+    asked second and fourth gets the same answer: no request leaves anything in the context's cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY
+    from kvbudget.eval import peer_rows
+    from kvbudget.eval import runner as runner_module
+    from kvbudget.eval.metrics import string_match_all
+    from kvbudget.eval.runner import EvalConfig
+    from kvbudget.eval.sample import FollowUp, Sample
+    from kvbudget.eval.tasks.base import TaskSpec
+
+    torch.manual_seed(3)
+    model_dir = tmp_path / "tiny64"
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "head_dim": 64}, initializer_range=0.2)).save_pretrained(
+        model_dir
+    )
+    tiny_tokenizer(True).save_pretrained(model_dir)
+
+    def samples(tokenizer, length, num_samples, seed):
+        cat, rain = (
+            FollowUp("Where did the cat sit?", ["mat"], "A:", 6),
+            FollowUp("What fell?", ["rain"], "A:", 6),
+        )
+        return [
+            Sample(
+                SHARED_CONTEXT_TEXT * 8,
+                "What is key alpha?",
+                ["417"],
+                "A:",
+                6,
+                {},
+                follow_ups=[cat, rain, cat],
+            )
+        ]
+
+    task = TaskSpec("tiny_shared", "shared-context", samples, string_match_all, "string_match_all")
+    monkeypatch.setattr(runner_module, "get_task", lambda name: task)
+    config = EvalConfig(
+        model=str(model_dir), tasks=["tiny_shared"], lengths=[0], methods=["full"], budgets=[],
+        compression_ratios=[0.5], limit=1, compress_context_only=True,
+    )  # fmt: skip
+    added = peer_rows.run_peer_rows(
+        config, tmp_path / "run", ["no_press+quanto4", "no_press"], PEER, progress=False
+    )
+    assert added == 2
+    rows = {r["label"]: r for r in load_rows(tmp_path / "run" / "results.jsonl")}
+    four, plain = rows["kvpress:no_press+quanto4"], rows["kvpress:no_press"]
+    assert four["error"] is None, four["error"]
+    assert [t["turn"] for t in four["turns"]] == [1, 2, 3, 4]
+    assert four["turns"][1]["prediction"] == four["turns"][3]["prediction"]
+    assert four["physical_bytes"] < plain["physical_bytes"]
+
+
 def test_a_press_on_transformers_quantized_cache_is_named_with_its_cache():
     from kvbudget.eval import peer_rows
 

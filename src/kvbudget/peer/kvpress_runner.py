@@ -278,6 +278,19 @@ def rerotates_keys(press) -> bool:
     )
 
 
+def copy_cache(cache):
+    """A copy of ``cache`` that one request may extend without touching the original. A
+    ``QuantizedCache`` layer's quantized keys and values (quanto's tensors, which cannot be
+    deep-copied) are shared: a layer replaces them when it quantizes again, never writes into them."""
+    memo = {}
+    for layer in getattr(cache, "layers", []):
+        for name in ("_quantized_keys", "_quantized_values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None:
+                memo[id(tensor)] = tensor
+    return copy.deepcopy(cache, memo)
+
+
 @torch.inference_mode()
 def run_one(model, sample: dict, job: dict) -> dict:
     ctx = torch.tensor([sample["context_ids"]])
@@ -314,7 +327,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
     follow_ups = sample.get("follow_ups") or []
     if follow_ups and aware:
         raise ValueError("later questions share the compressed context question-agnostically only")
-    context_cache = copy.deepcopy(cache) if follow_ups else None  # before the question (not timed)
+    context_cache = copy_cache(cache) if follow_ups else None  # before the question (not timed)
     resumed = time.perf_counter()
     if aware:
         positions = torch.tensor([[next_position - 1]])
@@ -329,7 +342,7 @@ def run_one(model, sample: dict, job: dict) -> dict:
     prefill_s = context_s + prefilled - resumed
     turns = []
     for follow in follow_ups:  # kvpress's pipeline with several questions: the context's cache, each alone
-        request = copy.deepcopy(context_cache)
+        request = copy_cache(context_cache)
         ids = torch.tensor([follow["question_ids"]])
         positions = torch.arange(next_position, next_position + ids.shape[1])[None]
         turn_start = time.perf_counter()

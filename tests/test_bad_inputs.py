@@ -274,6 +274,16 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("serve-memory-cap-zero", ["serve", *M, "--memory-cap", "0"], ["--memory-cap", "positive"]),
     ("serve-unknown-method", ["serve", *M, "--method", "nope"], ["unknown method 'nope'"]),
     ("serve-budget-zero", ["serve", *M, "--budget", "0"], ["--budget", "positive"]),
+    (
+        "serve-kv-bits-twice",
+        ["serve", *M, "--method", "snapkv:kv_bits=4", "--kv-bits", "8"],
+        ["kv_bits is given twice", "--method snapkv:kv_bits=4"],
+    ),
+    (
+        "serve-memory-and-ratio",
+        ["serve", *M, "--method", "snapkv:memory=0.125", "--ratio", "0.5"],
+        ["memory", "ratio"],
+    ),
     ("serve-ratio-above-1", ["serve", *M, "--ratio", "1.5"], ["--ratio", "(0, 1]"]),
     ("serve-port", ["serve", *M, "--port", "70000"], ["--port", "70000"]),
     ("serve-queue-zero", ["serve", *M, "--max-queue", "0"], ["--max-queue", "≥ 1"]),

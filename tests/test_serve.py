@@ -419,7 +419,16 @@ def test_a_byte_budget_request_equals_generate_alone(server, model_and_tokenizer
     answer = chat(client(base), text, 12, extra_body={"kvbudget": body})
     assert answer.choices[0].message.content == expected
     assert answer.usage.model_extra["kvbudget"]["memory"] == 0.3
-    for bad in ({"memory": 0.3, "budget": 40}, {"memory": 0}, {"memory": 0.3, "kv_bits": 4}):
+    # the spec form `--document-method` and `kvbudget eval` take: the same request
+    spec_form = chat(
+        client(base), text, 12, extra_body={"kvbudget": {"method": "snapkv:window=8,memory=0.3"}}
+    )
+    assert spec_form.choices[0].message.content == expected
+    assert spec_form.usage.model_extra["kvbudget"]["memory"] == 0.3
+    for bad in (
+        {"memory": 0.3, "budget": 40}, {"memory": 0}, {"memory": 0.3, "kv_bits": 4},
+        {"method": "snapkv:memory=0.3", "memory": 0.2}, {"method": "snapkv:memory=0.3", "ratio": 0.5},
+    ):  # fmt: skip
         response = httpx.post(
             base + "/v1/chat/completions",
             json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "kvbudget": bad},

@@ -130,6 +130,12 @@ def test_a_request_without_the_document_never_reuses_it(server) -> None:
         ({"text": "x", "model": "other"}, 404, "does not exist"),
         ({"token_ids": [10**9]}, 400, "token_ids must be in"),
         ({"text": "x", "memory": 0.2, "ratio": 0.5}, 400, "give memory or budget/ratio/kv_bits"),
+        (
+            {"text": "x", "method": "kvzip:memory=0.2", "ratio": 0.5},
+            400,
+            "give memory or budget/ratio/kv_bits",
+        ),
+        ({"text": "x", "method": "full:kv_bits=4", "kv_bits": 8}, 400, "kv_bits is given twice"),
     ],
 )
 def test_bad_documents_are_refused_in_one_line(server, body, status, message) -> None:
@@ -230,6 +236,14 @@ def test_the_servers_document_precision_applies_to_a_full_document_unless_the_bo
         by_default = _create(base, text=DOCUMENT).json()
         in_dtype = _create(base, text=DOCUMENT, kv_bits=16).json()
         at_two = _create(base, text=DOCUMENT, method="full", kv_bits=2).json()
+        spec_form = _create(base, text=DOCUMENT, method="full:kv_bits=2").json()  # as --document-method
+        spec16 = _create(base, text=DOCUMENT, method="full:kv_bits=16").json()
     assert (by_default["method"], by_default["kv_bits"]) == ("full", 4)
     assert in_dtype["kv_bits"] is None and at_two["kv_bits"] == 2  # None: the model's dtype
+    assert (spec_form["method"], spec_form["kv_bits"], spec_form["kv_bytes"]) == (
+        "full",
+        2,
+        at_two["kv_bytes"],
+    )
+    assert spec16["kv_bits"] is None and spec16["kv_bytes"] == in_dtype["kv_bytes"]
     assert at_two["kv_bytes"] < by_default["kv_bytes"] < in_dtype["kv_bytes"] / 2

@@ -126,6 +126,7 @@ def serve(
     check_size(budget, ratio, "--")
     from kvbudget.cache import check_kv_bits
 
+    method, kv_bits, memory = _storage_in_method(method, kv_bits, memory)
     bits = check_kv_bits(kv_bits)
     from kvbudget.byte_budget import check_memory
 
@@ -181,3 +182,16 @@ def serve(
         share_prefix_tokens=share_prefix_tokens or None,
     )
     uvicorn.run(app, host=host, port=port, log_config=log_config(log_level), access_log=False)
+
+
+def _storage_in_method(method: str, kv_bits: int, memory: float | None) -> tuple[str, int, float | None]:
+    """``--method NAME:kv_bits=b`` or ``NAME:memory=f`` read as ``--kv-bits b`` or ``--memory f``, the
+    method left without it; given both ways, refused."""
+    from kvbudget.methods.spec import split_storage
+
+    name, bits, share = split_storage(method)
+    if bits is not None and kv_bits != 16:
+        raise InputError(f"kv_bits is given twice: in --method {method} and as --kv-bits")
+    if share is not None and memory is not None:
+        raise InputError(f"memory is given twice: in --method {method} and as --memory")
+    return name, kv_bits if bits is None else bits, memory if share is None else share

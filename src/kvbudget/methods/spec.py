@@ -70,6 +70,18 @@ class MethodSpec:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
 
 
+def split_storage(text: str) -> tuple[str, int | None, float | None]:
+    """``name:opts,kv_bits=b`` or ``name:opts,memory=f`` → (``name:opts``, ``b`` or ``None``, ``f`` or
+    ``None``): the storage a spec names, apart from its method (``kv_bits=16`` kept as 16, so that it
+    can override a default of fewer bits)."""
+    spec = MethodSpec.parse(text)
+    explicit16 = spec.kv_bits is None and any(
+        key.strip() == "kv_bits"
+        for key, _, _ in (pair.partition("=") for pair in text.partition(":")[2].split(","))
+    )
+    return MethodSpec(spec.name, spec.options).label, 16 if explicit16 else spec.kv_bits, spec.memory
+
+
 def parse_options(pairs: list[str]) -> dict[str, str]:
     """``["window=64", "pooling=avg"]`` → ``{"window": "64", "pooling": "avg"}`` (the CLI's ``--opt``)."""
     options: dict[str, str] = {}

@@ -113,6 +113,10 @@ class KVBudgetOptions(_Strict):
     #: a document's id (``POST /v1/kvbudget/documents``): the prompt begins with it, as it was compressed
     document: Name | None = None
 
+    _storage_in_method = model_validator(mode="before")(
+        classmethod(lambda cls, values: _lift_storage(values))
+    )
+
     @model_validator(mode="after")
     def _one_size(self) -> KVBudgetOptions:
         _check_size(self)
@@ -123,6 +127,32 @@ class KVBudgetOptions(_Strict):
                 "budget, ratio, kv_bits or memory with it",
             )  # fmt: skip
         return self
+
+
+def _lift_storage(values: Any) -> Any:
+    """A method spec's own ``:kv_bits=b`` or ``:memory=f`` (the form ``--document-method`` and
+    ``kvbudget eval`` take) moved to the request's fields, the method left without it; given both
+    ways, refused. A spec that does not parse is left as it is, for the method's own error."""
+    method = values.get("method") if isinstance(values, dict) else None
+    if not isinstance(method, str) or ("kv_bits=" not in method and "memory=" not in method):
+        return values
+    from kvbudget.errors import KVBudgetError
+    from kvbudget.methods.spec import split_storage
+
+    try:
+        name, bits, memory = split_storage(method)
+    except KVBudgetError:
+        return values
+    lifted = {**values, "method": name}
+    for field, value in (("kv_bits", bits), ("memory", memory)):
+        if value is not None:
+            if values.get(field) is not None:
+                raise PydanticCustomError(
+                    "given_twice",
+                    f"{field} is given twice: in the method {quote(method)} and as its own field",
+                )
+            lifted[field] = value
+    return lifted
 
 
 def _check_size(options: Any) -> None:
@@ -312,6 +342,10 @@ class DocumentRequest(_Strict):
     ratio: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     kv_bits: Literal[2, 4, 8, 16] | None = None
     memory: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+
+    _storage_in_method = model_validator(mode="before")(
+        classmethod(lambda cls, values: _lift_storage(values))
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DocumentRequest:

@@ -139,6 +139,7 @@ def test_each_replica_holds_its_own_cap(base: str) -> None:
         ({"memory_cap": "lots"}, "expects a size such as 2GiB"),
         ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16"),
         ({"method": "nope"}, "nope"),
+        ({"method": "snapkv:memory=0.125", "ratio": "0.5"}, "give memory or budget/ratio, not both"),
     ],
 )
 def test_a_bad_deployment_fails_on_the_driver_with_one_line(args: dict[str, str], words: str) -> None:
@@ -152,6 +153,9 @@ def test_a_local_model_path_is_made_absolute_for_the_replicas(tiny_dir: Path, mo
     config = replica_config(tiny_dir.name, memory_cap="1MiB", ratio=0.5)
     assert config.model == str(tiny_dir.resolve()) and config.served_name == tiny_dir.name
     assert config.memory_cap == 1 << 20 and config.default.ratio == 0.5
+    byte_budget = replica_config(tiny_dir.name, method="snapkv:window=8,memory=0.125").default
+    assert (byte_budget.method, byte_budget.memory, byte_budget.ratio) == ("snapkv:window=8", 0.125, None)
+    assert replica_config(tiny_dir.name, method="full:kv_bits=4").default.kv_bits == 4
     with pytest.raises(KVBudgetError, match="served_name"):
         replica_config(lambda: (None, None))
 

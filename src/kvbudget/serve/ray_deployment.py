@@ -42,7 +42,7 @@ from typing import Any
 from kvbudget.engine import check_size
 from kvbudget.errors import InputError, MissingExtraError
 from kvbudget.extras import extra_hint, needs_extra, require_extra
-from kvbudget.methods.spec import MethodSpec
+from kvbudget.methods.spec import MethodSpec, split_storage
 from kvbudget.serve import defaults
 from kvbudget.serve.batcher import Compression
 from kvbudget.units import parse_size
@@ -187,6 +187,9 @@ def replica_config(
     spec = MethodSpec.parse(method)  # a bad method fails here, not in every replica
     if budget is not None and method != "full":
         spec.build().check_budget(budget)
+    stored, bits, share = split_storage(method)  # `snapkv:memory=0.125`, `full:kv_bits=4`
+    if share is not None and (budget, ratio) != (None, None):
+        raise InputError(f"give memory or budget/ratio, not both: method {method!r} is a byte budget")
     if not callable(model):
         name = str(model)
         model = str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
@@ -196,8 +199,9 @@ def replica_config(
     Compression.from_spec(document_method, ratio=0.5)  # a bad spec fails here too
     folder = str(Path(cache_dir).expanduser().resolve()) if cache_dir is not None else None
     dir_cap = cache_dir_cap if isinstance(cache_dir_cap, int) else parse_size(cache_dir_cap, "cache_dir_cap")
-    return ReplicaConfig(model, cap, Compression(method, budget, ratio), max_queue, api_key, served_name,
-                         device, dtype, folder, dir_cap, document_method)  # fmt: skip
+    default = Compression(stored, budget, ratio, None if bits == 16 else bits, share)
+    return ReplicaConfig(model, cap, default, max_queue, api_key, served_name, device, dtype, folder, dir_cap,
+                         document_method)  # fmt: skip
 
 
 def build_app(

@@ -221,7 +221,9 @@ def run_soak(
 ) -> dict[str, Any]:
     """Run the soak on ``model``; returns its figures and ``ok`` (every check passed)."""
     config.check()
-    scheduler = Scheduler(model, tokenizer, config.cap_bytes, Compression(config.methods[0], 128))
+    scheduler = Scheduler(
+        model, tokenizer, config.cap_bytes, Compression.from_spec(config.methods[0], budget=128)
+    )
     app = create_app(scheduler, "soak", max_body=config.max_body)
     with serving(app) as base:
         clients = [SoakClient(base, "soak", config, config.seed + i) for i in range(config.clients)]

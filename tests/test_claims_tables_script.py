@@ -510,6 +510,31 @@ def test_the_server_default_is_the_cheapest_candidate_that_holds_later_turns_in_
     assert table[-1].startswith("The documents' default (`--document-method`): running (16 of 16")
 
 
+def test_the_servers_defaults_are_what_the_rule_chose_from_the_committed_rows():
+    """`kvbudget serve`'s defaults (kvbudget.serve.defaults) follow docs/leaderboard.md's rule on the
+    rows in lab/results: SnapKV and KVzip under `memory=0.125` while a decision's candidates are
+    running, its choice once they are complete (the rule's r is the share evicted, the server's ratio
+    the share kept). Fails when new rows complete a decision that the defaults do not follow yet."""
+    _load()
+    from claims import server_default as rule
+
+    from kvbudget.eval.store import load_rows
+    from kvbudget.serve import defaults
+
+    rows = load_rows(SCRIPT.parents[1] / "results" / "shared-context-agnostic" / "results.jsonl")
+    chosen = rule.decisions(rule.configurations(rows))
+
+    def served(config, interim: tuple[str, float | None]) -> tuple[str, float | None]:
+        if config is None:
+            return interim
+        return config.label, None if config.ratio is None else 1 - config.ratio
+
+    assert (defaults.METHOD, defaults.RATIO) == served(chosen["conversations"], ("snapkv", None))
+    documents = served(chosen["documents"], ("kvzip:memory=0.125", None))
+    assert defaults.DOCUMENT_METHOD == documents[0]
+    assert documents[1] in (None, defaults.DOCUMENT_RATIO)
+
+
 def test_equal_bytes_rule_ahead_behind_and_running_by_hand():
     """docs/leaderboard.md's equal-bytes rule on rows made by hand: the byte budget against eviction
     alone on later turns, paired per sample; a comparison without every sample says how far it is."""

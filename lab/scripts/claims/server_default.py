@@ -154,13 +154,33 @@ def server_default_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def missing(configs: list[Configuration], named) -> list[str]:
+    """The ``named`` candidates without every sample yet."""
+    done = {(c.label, c.ratio) for c in configs}
+    return [f"{label}{'' if r is None else f' r={r:g}'}" for label, r in named if (label, r) not in done]
+
+
+def decisions(configs: list[Configuration]) -> dict[str, Configuration | None]:
+    """The conversations' and the documents' defaults as the rule chose them; ``None`` while one of
+    their candidates is still running (or none is a candidate)."""
+    out: dict[str, Configuration | None] = {}
+    for key, named, document in (
+        ("conversations", CANDIDATES, False),
+        ("documents", DOCUMENT_CANDIDATES, True),
+    ):
+        ready = not missing(configs, named)
+        out[key] = (
+            choose([c for c in configs if (c.label, c.ratio) in set(named)], document)[0] if ready else None
+        )
+    return out
+
+
 def _decision(configs: list[Configuration], named, what: str, document: bool) -> str:
     """The rule's decision for ``what``, or which of its ``named`` candidates are still running."""
-    done = {(c.label, c.ratio) for c in configs}
-    missing = [f"{label}{'' if r is None else f' r={r:g}'}" for label, r in named if (label, r) not in done]
-    if missing:
-        waiting = f"{len(missing)} of {len(named)} candidates without {SAMPLES} samples of each task"
-        return f"{what}: running ({waiting}: {', '.join(missing)}); unchanged until then."
+    waiting = missing(configs, named)
+    if waiting:
+        count = f"{len(waiting)} of {len(named)} candidates without {SAMPLES} samples of each task"
+        return f"{what}: running ({count}: {', '.join(waiting)}); unchanged until then."
     best, why = choose([c for c in configs if (c.label, c.ratio) in set(named)], document)
     return f"**{what}: {best.name if best else 'none'}** ({why})."
 

@@ -44,6 +44,7 @@ from urllib.parse import urlparse
 from kvbudget.bench.serve_load import percentile, stream_request
 from kvbudget.errors import InputError
 from kvbudget.eval.tasks import get_task
+from kvbudget.serve import defaults
 from kvbudget.serve.app import create_app, prometheus_metrics, serving
 from kvbudget.serve.batcher import Compression
 from kvbudget.serve.document_dir import DocumentDir
@@ -66,7 +67,7 @@ class SharedBenchConfig:
     sample: int = 0
     clients: int = 8
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    document_method: str = "kvzip:memory=0.125"
+    document_method: str = defaults.DOCUMENT_METHOD
     per_request_method: str = "snapkv"
     ratio: float = 0.875
     cap_bytes: int = 1 << 30
@@ -118,7 +119,7 @@ def _scheduler(model, tokenizer, config: SharedBenchConfig, folder: Path | None 
     registry, metrics = prometheus_metrics()
     scheduler = Scheduler(
         model, tokenizer, config.cap_bytes, Compression("full"), max_queue=256, metrics=metrics,
-        document_default=Compression.from_spec(config.document_method, ratio=0.5),
+        document_default=Compression.from_spec(config.document_method, ratio=defaults.DOCUMENT_RATIO),
         document_dir=DocumentDir(folder, 1 << 40) if folder is not None else None,
     )  # fmt: skip
     return scheduler, registry
@@ -225,7 +226,8 @@ def run_shared_bench(
         raise InputError(f"modes are {', '.join(MODES)}; got {', '.join(config.modes)}")
     if config.clients < 1:
         raise InputError("--clients must be ≥ 1")
-    Compression.from_spec(config.document_method, ratio=0.5)  # a bad spec fails before the model loads
+    # a bad spec fails before the model loads
+    Compression.from_spec(config.document_method, ratio=defaults.DOCUMENT_RATIO)
     task = get_task(config.task)
     if model is None:
         from kvbudget.models import load_model

@@ -22,6 +22,7 @@ from kvbudget.cli.options import (
 )
 from kvbudget.errors import InputError, KVBudgetError
 from kvbudget.extras import needs_extra
+from kvbudget.serve import defaults
 
 
 @user_errors
@@ -198,7 +199,7 @@ def bench_serve(
     ] = "document,document:reload,document:full,per-request",
     document_method: Annotated[
         str, typer.Option(help="--workload shared/multiturn: the shared document's method and size.")
-    ] = "kvzip:memory=0.125",
+    ] = defaults.DOCUMENT_METHOD,
     sample: Annotated[
         int, typer.Option(help="--workload shared/multiturn: which of the task's samples is the document.")
     ] = 0,

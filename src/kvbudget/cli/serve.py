@@ -27,7 +27,7 @@ def serve(
     budget: Annotated[int | None, typer.Option(help="Default entries per KV head.")] = None,
     ratio: Annotated[
         float | None, typer.Option(help="Default fraction of the prompt kept, in (0, 1].")
-    ] = None,
+    ] = defaults.RATIO,
     kv_bits: KvBitsOption = 16,
     memory: Annotated[
         float | None,
@@ -144,7 +144,7 @@ def serve(
     check.model_source(model)
     default = Compression(method, budget, ratio, bits, memory)
     MethodSpec.parse(method)  # a bad method fails before the model loads
-    document_default = Compression.from_spec(document_method, ratio=0.5)
+    document_default = Compression.from_spec(document_method, ratio=defaults.DOCUMENT_RATIO)
     from kvbudget.phases import Stage
 
     if Stage.DECODE in MethodSpec.parse(document_method).build().stages:

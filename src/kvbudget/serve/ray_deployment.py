@@ -113,7 +113,7 @@ class ServeReplica:
             document_dir = DocumentDir(config.cache_dir, config.cache_dir_cap)
         self.scheduler = Scheduler(
             model, tokenizer, config.memory_cap, config.default, max_queue=config.max_queue, metrics=metrics,
-            document_default=Compression.from_spec(config.document_method, ratio=0.5),
+            document_default=Compression.from_spec(config.document_method, ratio=defaults.DOCUMENT_RATIO),
             document_dir=document_dir,
         )  # fmt: skip
 
@@ -164,7 +164,7 @@ def replica_config(
     memory_cap: int | str = "2GiB",
     method: str = defaults.METHOD,
     budget: int | None = None,
-    ratio: float | None = None,
+    ratio: float | None = defaults.RATIO,
     max_queue: int = 64,
     api_key: str | None = None,
     served_name: str | None = None,
@@ -196,7 +196,7 @@ def replica_config(
         served_name = served_name or name
     elif served_name is None:
         raise InputError("give served_name with a model factory (the model's name in the API)")
-    Compression.from_spec(document_method, ratio=0.5)  # a bad spec fails here too
+    Compression.from_spec(document_method, ratio=defaults.DOCUMENT_RATIO)  # a bad spec fails here too
     folder = str(Path(cache_dir).expanduser().resolve()) if cache_dir is not None else None
     dir_cap = cache_dir_cap if isinstance(cache_dir_cap, int) else parse_size(cache_dir_cap, "cache_dir_cap")
     default = Compression(stored, budget, ratio, None if bits == 16 else bits, share)

@@ -38,6 +38,12 @@ step "sc cheap points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compre
 # 3. exploratory points: KVzip stored at 4 bits and under a smaller byte budget
 step "sc points" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.75,0.5 \
   --methods kvzip:kv_bits=4,kvzip:memory=0.0625
+# 3b. the plot's other byte shares (the issue: 25%, 12.5% and 6.25%): eviction at r = 0.9375 beside
+# memory=0.0625, memory=0.25 beside r = 0.75, and quantization alone at 8 bits
+step "sc bytes, cheap" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.9375 \
+  --methods expected-attention,expected-attention:memory=0.25,full:kv_bits=8
+step "sc bytes, kvzip" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.9375 \
+  --methods kvzip,kvzip:memory=0.25
 # 4. the anchors, in kvpress's environment: transformers' QuantizedCache (quanto, residual 128) alone at 4
 # and 2 bits, and under kvpress's Expected Attention (its best question-agnostic press that runs here)
 ANCHORS=no_press+quanto4,no_press+quanto2,expected_attention+quanto4

@@ -50,4 +50,16 @@ ANCHORS=no_press+quanto4,no_press+quanto2,expected_attention+quanto4
 step "sc anchors" $RUN $SC --agnostic --tasks $SC_TASKS --limit 20 --compression-ratios 0.5,0.75 \
   --peer-presses $ANCHORS
 step "core anchors" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.5,0.75 --peer-presses $ANCHORS
+# 5. the core tasks' other byte shares (25%, 6.25%), both tracks, last: eviction at r = 0.75 from the
+# leaderboard's rows, at r = 0.9375 here; the byte budgets beside them; quantization alone
+step "seed aware 0.75" $PY lab/scripts/seed_rows.py lab/results/leaderboard $AWARE --labels snapkv \
+  --ratios 0.75 --tasks $CORE
+step "seed agnostic 0.75" $PY lab/scripts/seed_rows.py lab/results/leaderboard-agnostic $AGNOSTIC \
+  --labels expected-attention,kvzip --ratios 0.75 --tasks $CORE
+step "core aware bytes" $RUN $AWARE --tasks $CORE --compression-ratios 0.9375 \
+  --methods snapkv,snapkv:memory=0.25,snapkv:memory=0.0625,full:kv_bits=8,full:kv_bits=4,full:kv_bits=2
+step "core agnostic bytes, cheap" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.9375 \
+  --methods expected-attention,expected-attention:memory=0.25,expected-attention:memory=0.0625,full:kv_bits=8,full:kv_bits=4,full:kv_bits=2
+step "core agnostic bytes, kvzip" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.9375 \
+  --methods kvzip,kvzip:memory=0.25,kvzip:memory=0.0625
 echo "=== $(date -u +%FT%TZ) grid done"

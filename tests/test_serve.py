@@ -434,3 +434,11 @@ def test_a_byte_budget_request_equals_generate_alone(server, model_and_tokenizer
             json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "kvbudget": bad},
         )
         assert response.status_code == 400 and "memory" in response.json()["error"]["message"]
+    twice = httpx.post(base + "/v1/chat/completions", json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}],
+        "kvbudget": {"method": "snapkv:kv_bits=4", "kv_bits": 8},
+    })  # fmt: skip
+    assert twice.status_code == 400
+    assert twice.json()["error"]["message"] == (
+        "kvbudget: kv_bits is given twice: in the method 'snapkv:kv_bits=4' and as its own field"
+    )

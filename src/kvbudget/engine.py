@@ -159,6 +159,8 @@ def check_ratio_budgets(method: Method, ratio: float | None, lengths: list[int])
 
 #: temperatures below this sample greedily (dividing the logits by a vanishing one overflows)
 GREEDY_BELOW = 1e-5
+#: entries per KV head when a call names neither a budget nor a ratio
+DEFAULT_BUDGET = 128
 
 
 def next_token(
@@ -448,7 +450,7 @@ def generate(
         raise InputError("memory= stores one sequence at a time; generate each prompt on its own")
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
-        budget = 128
+        budget = DEFAULT_BUDGET
     max_context = model_max_context(model)
     check_budget(method_obj, budget, ratio, max_context)
     prompts = [
@@ -552,7 +554,7 @@ def compress(
     bits = check_kv_bits(kv_bits)
     method_obj = resolve_method(method)
     if budget is None and ratio is None:
-        budget = 128
+        budget = DEFAULT_BUDGET
     check_budget(method_obj, budget, ratio, model_max_context(model))
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise InputError(

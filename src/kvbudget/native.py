@@ -51,6 +51,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvbudget.attention import attach, attached, check_supported, detach, is_attached
 from kvbudget.cache import BudgetCache, BudgetLayer, check_kv_bits
 from kvbudget.engine import (
+    DEFAULT_BUDGET,
     Prompt,
     build_prompt,
     check_budget,
@@ -171,7 +172,7 @@ class CompressingCache(BudgetCache):
         method_obj = resolve_method(method)
         check_generate_compatible(method_obj)
         if budget is None and ratio is None:
-            budget = 128
+            budget = DEFAULT_BUDGET
         check_budget(method_obj, budget, ratio, model_max_context(model))
         layers = model.config.num_hidden_layers
         session = _GenerateSession(method_obj, layers, budget=budget, ratio=ratio, model=model, kv_bits=bits)
@@ -261,7 +262,7 @@ def answer(
             "kvbudget.generate(..., compress_context_only=True) per question"
         )
     if budget is None and ratio is None:
-        budget = 128
+        budget = DEFAULT_BUDGET
     max_context = model_max_context(model)
     check_budget(method_obj, budget, ratio, max_context)
     prompts = [build_prompt(tokenizer, context, q, answer_prefix) for q in questions]

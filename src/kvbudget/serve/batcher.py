@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvbudget.cache import BudgetCache, model_entry_bytes
-from kvbudget.engine import memory_budget, next_token, prefill
+from kvbudget.engine import DEFAULT_BUDGET, memory_budget, next_token, prefill
 from kvbudget.errors import InputError
 from kvbudget.joined_cache import JoinedCache
 from kvbudget.methods.base import Method
@@ -73,7 +73,7 @@ class Compression:
             return f"document {self.document}"
         if self.memory is not None:
             return f"{self.method} (memory={self.memory:g})"
-        size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        size = f"ratio={self.ratio}" if self.ratio is not None else f"budget={self.budget or DEFAULT_BUDGET}"
         bits = f", {self.kv_bits}-bit" if self.kv_bits is not None else ""
         return f"{self.method}{bits}" if self.method == "full" else f"{self.method} ({size}{bits})"
 
@@ -188,7 +188,7 @@ def new_session(model: PreTrainedModel, seq: Sequence) -> CompressionSession:
     if comp.memory is not None:
         budget = memory_budget(model, seq.method, comp.memory, len(seq.prompt_ids))
     elif budget is None and ratio is None:
-        budget = 128  # kvbudget.generate's default
+        budget = DEFAULT_BUDGET  # kvbudget.generate's default
     session = CompressionSession(
         seq.method, model.config.num_hidden_layers, budget=budget, ratio=ratio, kv_bits=comp.kv_bits,
         memory=comp.memory,

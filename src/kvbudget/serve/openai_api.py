@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from kvbudget.engine import build_prompt
+from kvbudget.engine import DEFAULT_BUDGET, build_prompt
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve.batcher import Compression
@@ -40,8 +40,6 @@ from kvbudget.serve.schema import (
 
 #: tokens of an answer when the request gives no limit
 DEFAULT_MAX_TOKENS = 256
-#: entries per KV head when neither the request nor the server gives a size (``kvbudget.generate``'s)
-DEFAULT_BUDGET = 128
 #: characters tokenized at a time while counting a prompt against the server's limit
 TOKENIZE_PIECE_CHARS = 8192
 #: characters of an error message at most (messages quote little of the input; this bounds the rest)

@@ -409,6 +409,7 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
         "memory_alone",
         "document_alone",
         "one_source",
+        "given_twice",
     }:
         message = f"{message[:1].lower()}{message[1:]}, got {quote(first.get('input'))}"
     return (f"{param}: {message}" if param else message), param

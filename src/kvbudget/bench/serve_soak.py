@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvbudget.cache import BudgetCache
+from kvbudget.engine import DEFAULT_BUDGET
 from kvbudget.errors import InputError
 from kvbudget.serve.app import create_app, serving
 from kvbudget.serve.batcher import Compression
@@ -222,7 +223,7 @@ def run_soak(
     """Run the soak on ``model``; returns its figures and ``ok`` (every check passed)."""
     config.check()
     scheduler = Scheduler(
-        model, tokenizer, config.cap_bytes, Compression.from_spec(config.methods[0], budget=128)
+        model, tokenizer, config.cap_bytes, Compression.from_spec(config.methods[0], budget=DEFAULT_BUDGET)
     )
     app = create_app(scheduler, "soak", max_body=config.max_body)
     with serving(app) as base:

@@ -146,12 +146,16 @@ def server_default_table(rows: list[dict]) -> list[str]:
             f"| {_cell(c.modes['multi-request'])} | {'yes' if c.eligible else 'no'} "
             f"| {'yes' if c.document_eligible else 'no'} |"
         )
-    lines += ["", _decision(configs, CANDIDATES, "The conversations' default (`--method`)", False)]
-    lines += [
-        "",
-        _decision(configs, DOCUMENT_CANDIDATES, "The documents' default (`--document-method`)", True),
-    ]
+    for _, named, document, what in DEFAULTS:
+        lines += ["", _decision(configs, named, what, document)]
     return lines
+
+
+#: the two defaults the rule chooses: (key, candidates, a document's, how the block names it)
+DEFAULTS = (
+    ("conversations", CANDIDATES, False, "The conversations' default (`--method`)"),
+    ("documents", DOCUMENT_CANDIDATES, True, "The documents' default (`--document-method`)"),
+)
 
 
 def missing(configs: list[Configuration], named) -> list[str]:
@@ -160,28 +164,31 @@ def missing(configs: list[Configuration], named) -> list[str]:
     return [f"{label}{'' if r is None else f' r={r:g}'}" for label, r in named if (label, r) not in done]
 
 
+def _choice(configs: list[Configuration], named, document: bool) -> tuple[Configuration | None, str] | None:
+    """The rule's choice among the ``named`` candidates and why; ``None`` while one is running."""
+    if missing(configs, named):
+        return None
+    return choose([c for c in configs if (c.label, c.ratio) in set(named)], document)
+
+
 def decisions(configs: list[Configuration]) -> dict[str, Configuration | None]:
     """The conversations' and the documents' defaults as the rule chose them; ``None`` while one of
     their candidates is still running (or none is a candidate)."""
     out: dict[str, Configuration | None] = {}
-    for key, named, document in (
-        ("conversations", CANDIDATES, False),
-        ("documents", DOCUMENT_CANDIDATES, True),
-    ):
-        ready = not missing(configs, named)
-        out[key] = (
-            choose([c for c in configs if (c.label, c.ratio) in set(named)], document)[0] if ready else None
-        )
+    for key, named, document, _ in DEFAULTS:
+        chosen = _choice(configs, named, document)
+        out[key] = chosen[0] if chosen else None
     return out
 
 
 def _decision(configs: list[Configuration], named, what: str, document: bool) -> str:
     """The rule's decision for ``what``, or which of its ``named`` candidates are still running."""
-    waiting = missing(configs, named)
-    if waiting:
+    chosen = _choice(configs, named, document)
+    if chosen is None:
+        waiting = missing(configs, named)
         count = f"{len(waiting)} of {len(named)} candidates without {SAMPLES} samples of each task"
         return f"{what}: running ({count}: {', '.join(waiting)}); unchanged until then."
-    best, why = choose([c for c in configs if (c.label, c.ratio) in set(named)], document)
+    best, why = chosen
     return f"**{what}: {best.name if best else 'none'}** ({why})."
 
 

@@ -119,7 +119,7 @@ def _scheduler(model, tokenizer, config: SharedBenchConfig, folder: Path | None 
     registry, metrics = prometheus_metrics()
     scheduler = Scheduler(
         model, tokenizer, config.cap_bytes, Compression("full"), max_queue=256, metrics=metrics,
-        document_default=Compression.from_spec(config.document_method, ratio=defaults.DOCUMENT_RATIO),
+        document_default=Compression.for_document(config.document_method),
         document_dir=DocumentDir(folder, 1 << 40) if folder is not None else None,
     )  # fmt: skip
     return scheduler, registry
@@ -227,7 +227,7 @@ def run_shared_bench(
     if config.clients < 1:
         raise InputError("--clients must be ≥ 1")
     # a bad spec fails before the model loads
-    Compression.from_spec(config.document_method, ratio=defaults.DOCUMENT_RATIO)
+    Compression.for_document(config.document_method)
     task = get_task(config.task)
     if model is None:
         from kvbudget.models import load_model

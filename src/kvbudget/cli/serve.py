@@ -144,7 +144,7 @@ def serve(
     check.model_source(model)
     default = Compression(method, budget, ratio, bits, memory)
     MethodSpec.parse(method)  # a bad method fails before the model loads
-    document_default = Compression.from_spec(document_method, ratio=defaults.DOCUMENT_RATIO)
+    document_default = Compression.for_document(document_method)
     from kvbudget.phases import Stage
 
     if Stage.DECODE in MethodSpec.parse(document_method).build().stages:

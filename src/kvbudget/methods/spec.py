@@ -75,11 +75,9 @@ def split_storage(text: str) -> tuple[str, int | None, float | None]:
     ``None``): the storage a spec names, apart from its method (``kv_bits=16`` kept as 16, so that it
     can override a default of fewer bits)."""
     spec = MethodSpec.parse(text)
-    explicit16 = spec.kv_bits is None and any(
-        key.strip() == "kv_bits"
-        for key, _, _ in (pair.partition("=") for pair in text.partition(":")[2].split(","))
-    )
-    return MethodSpec(spec.name, spec.options).label, 16 if explicit16 else spec.kv_bits, spec.memory
+    keys = {pair.partition("=")[0].strip() for pair in text.partition(":")[2].split(",")}
+    bits = 16 if spec.kv_bits is None and "kv_bits" in keys else spec.kv_bits  # parse reads 16 as None
+    return MethodSpec(spec.name, spec.options).label, bits, spec.memory
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:

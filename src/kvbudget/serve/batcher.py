@@ -68,6 +68,12 @@ class Compression:
             return cls(name, kv_bits=parsed.kv_bits)
         return cls(name, budget=budget, ratio=ratio, kv_bits=parsed.kv_bits)
 
+    @classmethod
+    def for_document(cls, spec: str) -> Compression:
+        """A document method spec (``--document-method``) as a compression: a spec without a size keeps
+        :data:`~kvbudget.serve.defaults.DOCUMENT_RATIO` of the document."""
+        return cls.from_spec(spec, ratio=defaults.DOCUMENT_RATIO)
+
     def label(self) -> str:
         if self.document is not None:
             return f"document {self.document}"

@@ -42,7 +42,7 @@ from typing import Any
 from kvbudget.engine import check_size
 from kvbudget.errors import InputError, MissingExtraError
 from kvbudget.extras import extra_hint, needs_extra, require_extra
-from kvbudget.methods.spec import MethodSpec, split_storage
+from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve import defaults
 from kvbudget.serve.batcher import Compression
 from kvbudget.units import parse_size
@@ -113,7 +113,7 @@ class ServeReplica:
             document_dir = DocumentDir(config.cache_dir, config.cache_dir_cap)
         self.scheduler = Scheduler(
             model, tokenizer, config.memory_cap, config.default, max_queue=config.max_queue, metrics=metrics,
-            document_default=Compression.from_spec(config.document_method, ratio=defaults.DOCUMENT_RATIO),
+            document_default=Compression.for_document(config.document_method),
             document_dir=document_dir,
         )  # fmt: skip
 
@@ -187,8 +187,7 @@ def replica_config(
     spec = MethodSpec.parse(method)  # a bad method fails here, not in every replica
     if budget is not None and method != "full":
         spec.build().check_budget(budget)
-    stored, bits, share = split_storage(method)  # `snapkv:memory=0.125`, `full:kv_bits=4`
-    if share is not None and (budget, ratio) != (None, None):
+    if spec.memory is not None and (budget, ratio) != (None, None):
         raise InputError(f"give memory or budget/ratio, not both: method {method!r} is a byte budget")
     if not callable(model):
         name = str(model)
@@ -196,10 +195,11 @@ def replica_config(
         served_name = served_name or name
     elif served_name is None:
         raise InputError("give served_name with a model factory (the model's name in the API)")
-    Compression.from_spec(document_method, ratio=defaults.DOCUMENT_RATIO)  # a bad spec fails here too
+    Compression.for_document(document_method)  # a bad spec fails here too
     folder = str(Path(cache_dir).expanduser().resolve()) if cache_dir is not None else None
     dir_cap = cache_dir_cap if isinstance(cache_dir_cap, int) else parse_size(cache_dir_cap, "cache_dir_cap")
-    default = Compression(stored, budget, ratio, None if bits == 16 else bits, share)
+    # the spec's own storage too: `snapkv:memory=0.125`, `full:kv_bits=4`
+    default = Compression.from_spec(method, ratio=ratio, budget=budget)
     return ReplicaConfig(model, cap, default, max_queue, api_key, served_name, device, dtype, folder, dir_cap,
                          document_method)  # fmt: skip
 

@@ -189,7 +189,7 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.memory_cap, self.max_queue, self.keep_turns = memory_cap, max_queue, keep_turns
         self.default = default or Compression()
-        self.document_default = document_default or Compression.from_spec(defaults.DOCUMENT_METHOD)
+        self.document_default = document_default or Compression.for_document(defaults.DOCUMENT_METHOD)
         self.metrics = metrics or Metrics()
         self.eos = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

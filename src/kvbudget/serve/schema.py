@@ -96,7 +96,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
-class KVBudgetOptions(_Strict):
+class _Sized(_Strict):
+    """A body that names a compression: a method spec's own ``:kv_bits=`` / ``:memory=`` become its
+    fields (:func:`_lift_storage`) before they are checked."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storage_in_method(cls, values: Any) -> Any:
+        return _lift_storage(values)
+
+
+class KVBudgetOptions(_Sized):
     """kvbudget's own field (an OpenAI client's ``extra_body={"kvbudget": {...}}``): the method spec
     (``snapkv``, ``snapkv:window=16``, ``name@preset``), and entries per KV head (``budget``) or the
     fraction of the prompt kept (``ratio``), the bits a stored number takes after the prefill
@@ -112,10 +122,6 @@ class KVBudgetOptions(_Strict):
     ignore_eos: bool = False
     #: a document's id (``POST /v1/kvbudget/documents``): the prompt begins with it, as it was compressed
     document: Name | None = None
-
-    _storage_in_method = model_validator(mode="before")(
-        classmethod(lambda cls, values: _lift_storage(values))
-    )
 
     @model_validator(mode="after")
     def _one_size(self) -> KVBudgetOptions:
@@ -328,7 +334,7 @@ class CompletionRequest(_Common):
         return prompt  # type: ignore[return-value]
 
 
-class DocumentRequest(_Strict):
+class DocumentRequest(_Sized):
     """``POST /v1/kvbudget/documents``: a document's ``text`` (tokenized as a chat's first user message
     opens, so chat requests can name it) or its ``token_ids`` (completions only), and how to compress
     it — a method spec and a size as a request's ``kvbudget`` field takes them (default: the server's
@@ -342,10 +348,6 @@ class DocumentRequest(_Strict):
     ratio: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     kv_bits: Literal[2, 4, 8, 16] | None = None
     memory: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
-
-    _storage_in_method = model_validator(mode="before")(
-        classmethod(lambda cls, values: _lift_storage(values))
-    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DocumentRequest:

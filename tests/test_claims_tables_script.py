@@ -569,6 +569,40 @@ def test_equal_bytes_rule_ahead_behind_and_running_by_hand():
     assert line[("kvzip", "one question")][3].startswith("running (needle 0,")
 
 
+def test_the_small_byte_budget_is_compared_with_eviction_and_with_two_bit_quantization_by_hand():
+    """The equal-bytes rule at 6.25% (docs/leaderboard.md, "At 6.25%"): ``M:memory=0.0625`` against
+    ``M`` at r = 0.9375 and against the full cache at 2 bits, each its own line and verdict, the
+    Bonferroni count over both kinds; one-question rows scored by their answer."""
+    _load()
+    from claims import equal_bytes as eb
+
+    assert [f.comparisons for f in eb.SMALL_FAMILIES] == [8, 4, 2]
+
+    def one_question(label, ratio, score, bytes_, n=20):
+        return [
+            {"key": f"{label}{task}{i}", "task": task, "sample": i, "label": label,
+             "compression_ratio": ratio, "score": score, "error": None, "physical_bytes": bytes_,
+             "logical_bytes": 16 * 2**20}
+            for task in eb.CORE for i in range(n)
+        ]  # fmt: skip
+
+    aware = (
+        one_question("full", None, 1.0, 16 * 2**20)
+        + one_question("snapkv:memory=0.0625", None, 1.0, 2**20)
+        + one_question("snapkv", 0.9375, 0.0, 2**20)  # eviction alone: 0 → ahead by 100
+        + one_question("full:kv_bits=2", None, 1.0, 3 * 2**20)  # quantization alone: as good → level
+    )
+    table = eb.equal_bytes_table([], aware, [], families=eb.SMALL_FAMILIES)
+    assert table[0].split("|")[4].strip() == "against"
+    line = {(c[1], c[3]): c for c in ([x.strip() for x in row.strip("|").split("|")] for row in table[2:])}
+    evict = line[("snapkv", "eviction r = 0.9375")]
+    assert evict[4] == "100.0, 6.2%" and evict[5] == "0.0, 6.2%" and evict[7] == "ahead"
+    two_bit = line[("snapkv", "2-bit, every entry")]
+    assert two_bit[5] == "100.0, 18.8%" and two_bit[6] == "+0.0 [+0.0, +0.0]" and two_bit[7] == "level"
+    assert line[("kvzip", "eviction r = 0.9375")][4].startswith("running (needle 0,")
+    assert eb.equal_bytes_table([], aware, [])[2].split("|")[4].strip().startswith("running")  # 12.5%: none
+
+
 def _summary_rows(label: str, score, ratio: float = 0.5, tasks=("niah_multikey_2", "vt"), n: int = 20,
                   answer: str = "a") -> list[dict]:  # fmt: skip
     return [{"label": label, "task": task, "length": 2048, "sample": i, "compression_ratio": ratio,

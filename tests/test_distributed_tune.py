@@ -110,3 +110,23 @@ def test_tune_workers_without_ray_is_a_one_line_error(tmp_path, tiny_dir, monkey
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "pip install 'kvbudget[ray]'" in lines[0]
     assert not (tmp_path / "home" / "profiles").exists()  # stopped before any model or profile
+
+
+def test_a_tuning_workers_profile_file_is_gone_when_its_run_returns(tmp_path, tiny_dir, monkeypatch):
+    """A Ray actor killed by ``ray.kill`` runs no finalizer: the worker's copy of the profile must not
+    outlive the run that needs it (folders of it had piled up in /tmp)."""
+    from kvbudget.tuning import PerplexityWorker
+
+    model, tokenizer = load_model(tiny_dir)
+    profile = build_profile(model, [prompt_from_spec("builtin-text:120", tokenizer)])
+    profile.tuned = {"squeezeattention": {"0.25": {"best": {"p": 0.7}}}}
+    profile_json = save_profile(profile, tmp_path / "p.json").read_text(encoding="utf-8")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    worker = PerplexityWorker(str(tiny_dir), "float32", "cpu", 1, profile_json)
+    assert list(scratch.iterdir()) == []  # nothing written before a run
+    config = {"method": "baklava", "budget": None, "chunk": CHUNK, "ratio": RATIO}
+    nll, tokens = worker.run(config, {"t": 0.0, "r": 0.5}, _texts()[0][0].tolist())
+    assert tokens > 0 and torch.isfinite(torch.tensor(nll))
+    assert list(scratch.iterdir()) == []

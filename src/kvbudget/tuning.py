@@ -174,24 +174,26 @@ def _finish(entry: dict[str, Any], points: list[dict[str, float]], names: Sequen
 
 class PerplexityWorker:
     """A tuning worker actor: the model, loaded once, and the profile as the driver read it (written
-    to the worker's own file, so the workers need not see the driver's disk)."""
+    to a file of the worker's own for each run, so the workers need not see the driver's disk; the
+    file is removed when the run returns, as a killed actor runs no finalizer)."""
 
     def __init__(self, model_source: str, dtype: str, device: str, threads: int, profile_json: str) -> None:
         from kvbudget.models import load_model
 
         torch.set_num_threads(threads)
         self.model, _ = load_model(model_source, dtype=dtype, device=device)
-        self._folder = tempfile.TemporaryDirectory(prefix="kvbudget-tune-")  # removed with the worker
-        self.profile_path = str(Path(self._folder.name) / "profile.json")
-        Path(self.profile_path).write_text(profile_json, encoding="utf-8")
+        self.profile_json = profile_json
 
     def run(self, config: dict[str, Any], point: dict[str, float], ids: list[int]) -> tuple[float, int]:
         """One passage ``ids`` (its tokens) at one grid point: its mean NLL and scored tokens."""
-        method_obj = make_method(config["method"], profile=self.profile_path, **point)
         tokens = torch.tensor([ids], device=self.model.device)
-        result = chunked_perplexity(
-            self.model, tokens, method_obj, config["budget"], chunk=config["chunk"], ratio=config["ratio"]
-        )
+        with tempfile.TemporaryDirectory(prefix="kvbudget-tune-") as folder:
+            profile_path = Path(folder) / "profile.json"
+            profile_path.write_text(self.profile_json, encoding="utf-8")
+            method_obj = make_method(config["method"], profile=str(profile_path), **point)
+            result = chunked_perplexity(
+                self.model, tokens, method_obj, config["budget"], chunk=config["chunk"], ratio=config["ratio"]
+            )
         return result.nll, result.tokens
 
 

@@ -285,6 +285,10 @@ CASES: list[tuple[str, list[str], list[str]]] = [
         ["memory", "ratio"],
     ),
     ("serve-ratio-above-1", ["serve", *M, "--ratio", "1.5"], ["--ratio", "(0, 1]"]),
+    # the default method (the full cache at 4 bits) keeps every entry: a size would be ignored
+    ("serve-ratio-without-method", ["serve", *M, "--ratio", "0.5"], ["--ratio needs a method that evicts"]),
+    ("serve-memory-without-method", ["serve", *M, "--memory", "0.125"], ["--memory needs", "--method snap"]),
+    ("serve-full-with-budget", ["serve", *M, "--method", "full", "--budget", "64"], ["--budget needs"]),
     ("serve-port", ["serve", *M, "--port", "70000"], ["--port", "70000"]),
     ("serve-queue-zero", ["serve", *M, "--max-queue", "0"], ["--max-queue", "≥ 1"]),
     ("serve-unknown-model", ["serve", "--model", "nope"], ["unknown model 'nope'"]),

@@ -442,3 +442,34 @@ def test_a_byte_budget_request_equals_generate_alone(server, model_and_tokenizer
     assert twice.json()["error"]["message"] == (
         "kvbudget: kv_bits is given twice: in the method 'snapkv:kv_bits=4' and as its own field"
     )
+
+
+def test_the_servers_own_default_stores_every_entry_at_four_bits_and_refuses_a_size_it_would_ignore(
+    model_and_tokenizer,
+) -> None:
+    """A scheduler built without a default runs kvbudget.serve.defaults' (the full cache stored at 4
+    bits, chosen by docs/leaderboard.md's rule): a plain request gets `kvbudget.generate`'s answer at
+    kv_bits=4; a request that names another method keeps the server's precision unless it gives its
+    own; a budget, ratio or byte budget with the full cache would be ignored, so it is a one-line 400."""
+    model, tokenizer = model_and_tokenizer
+    scheduler = Scheduler(model, tokenizer, memory_cap=64 << 20)
+    text = CONTEXT + " where does the fox run?"
+    expected = kvbudget.generate(model, tokenizer, text, method="full", kv_bits=4, max_new_tokens=12).text
+    with live(scheduler) as base:
+        answer = chat(client(base), text, 12)
+        assert answer.choices[0].message.content == expected
+        used = answer.usage.model_extra["kvbudget"]
+        assert (used["method"], used["kv_bits"], used["budget"], used["ratio"]) == ("full", 4, None, None)
+        snapkv = {"method": "snapkv:window=8", "budget": 24}
+        named = chat(client(base), text, 4, extra_body={"kvbudget": snapkv})
+        assert named.usage.model_extra["kvbudget"]["kv_bits"] == 4
+        own = chat(client(base), text, 4, extra_body={"kvbudget": {"kv_bits": 16}})
+        assert own.usage.model_extra["kvbudget"]["kv_bits"] == 16
+        for size, word in (({"ratio": 0.5}, "ratio"), ({"method": "full", "budget": 32}, "budget"),
+                           ({"method": "full:memory=0.2"}, "memory")):  # fmt: skip
+            response = httpx.post(
+                base + "/v1/chat/completions", json={"model": NAME, "messages": HI, "kvbudget": size}
+            )
+            message = response.json()["error"]["message"]
+            assert response.status_code == 400 and "\n" not in message
+            assert f"{word} needs a method that evicts" in message and "keeps every entry" in message

@@ -136,6 +136,7 @@ def test_each_replica_holds_its_own_cap(base: str) -> None:
         ({"replicas": "0"}, "replicas must be an integer of at least 1, got 0"),
         ({"modle": "x"}, "unknown argument(s) modle"),
         ({"budget": "24", "ratio": "0.5"}, "either budget or ratio"),
+        ({"ratio": "0.5"}, "ratio needs a method that evicts: full:kv_bits=4 keeps every entry"),
         ({"memory_cap": "lots"}, "expects a size such as 2GiB"),
         ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16"),
         ({"method": "nope"}, "nope"),
@@ -150,7 +151,7 @@ def test_a_bad_deployment_fails_on_the_driver_with_one_line(args: dict[str, str]
 
 def test_a_local_model_path_is_made_absolute_for_the_replicas(tiny_dir: Path, monkeypatch) -> None:
     monkeypatch.chdir(tiny_dir.parent)
-    config = replica_config(tiny_dir.name, memory_cap="1MiB", ratio=0.5)
+    config = replica_config(tiny_dir.name, memory_cap="1MiB", method="snapkv", ratio=0.5)
     assert config.model == str(tiny_dir.resolve()) and config.served_name == tiny_dir.name
     assert config.memory_cap == 1 << 20 and config.default.ratio == 0.5
     byte_budget = replica_config(tiny_dir.name, method="snapkv:window=8,memory=0.125").default
@@ -163,5 +164,6 @@ def test_a_local_model_path_is_made_absolute_for_the_replicas(tiny_dir: Path, mo
 def test_serve_run_arguments_build_the_application(tiny_dir: Path) -> None:
     """``serve run kvbudget.serve.ray_deployment:app_builder model=... replicas=3 ...``: strings in,
     a Serve application out (nothing starts until Serve runs it)."""
-    args = {"model": str(tiny_dir), "replicas": "3", "memory_cap": "1MiB", "ratio": "0.25"}
+    args = {"model": str(tiny_dir), "replicas": "3", "memory_cap": "1MiB", "method": "snapkv"}
+    args["ratio"] = "0.25"
     assert isinstance(app_builder({**args, "cpus_per_replica": "0.5"}), serve.Application)

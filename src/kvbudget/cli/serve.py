@@ -10,7 +10,7 @@ import typer
 
 from kvbudget.cli import checks as check
 from kvbudget.cli.base import user_errors
-from kvbudget.cli.options import DtypeOption, KvBitsOption, ModelOption
+from kvbudget.cli.options import DtypeOption, ModelOption
 from kvbudget.errors import InputError
 from kvbudget.extras import needs_extra
 from kvbudget.serve import defaults
@@ -21,14 +21,25 @@ from kvbudget.serve import defaults
 def serve(
     model: ModelOption = "smollm2-135m",
     method: Annotated[
-        str,
-        typer.Option(help="Default method of a request that names none (`name` or `name:key=value,...`)."),
-    ] = defaults.METHOD,
+        str | None,
+        typer.Option(
+            help="Default method of a request that names none (`name` or `name:key=value,...`); without it, "
+            f"{defaults.METHOD}: every entry kept, stored at 4 bits (chosen from the shared-context rows, "
+            "docs/leaderboard.md)."
+        ),
+    ] = None,
     budget: Annotated[int | None, typer.Option(help="Default entries per KV head.")] = None,
     ratio: Annotated[
         float | None, typer.Option(help="Default fraction of the prompt kept, in (0, 1].")
     ] = defaults.RATIO,
-    kv_bits: KvBitsOption = 16,
+    kv_bits: Annotated[
+        int | None,
+        typer.Option(
+            "--kv-bits",
+            help="Bits each stored key/value number takes after the prefill: 2, 4 or 8 (KIVI groups), 16 = "
+            "the model's dtype; without it, the method's own (16, or 4 for the default method).",
+        ),
+    ] = None,
     memory: Annotated[
         float | None,
         typer.Option(
@@ -109,7 +120,7 @@ def serve(
     from kvbudget.methods.spec import MethodSpec
     from kvbudget.models import load_model
     from kvbudget.serve.app import create_app, prometheus_metrics
-    from kvbudget.serve.batcher import Compression
+    from kvbudget.serve.batcher import Compression, full_cache_size_refusal
     from kvbudget.serve.logs import LEVELS, log, log_config
     from kvbudget.serve.scheduler import Scheduler
     from kvbudget.units import format_bytes, parse_size
@@ -126,7 +137,10 @@ def serve(
     check_size(budget, ratio, "--")
     from kvbudget.cache import check_kv_bits
 
-    method, kv_bits, memory = _storage_in_method(method, kv_bits, memory)
+    method, kv_bits, memory = _storage_in_method(_method_or_default(method, kv_bits), kv_bits, memory)
+    refusal = full_cache_size_refusal(method, budget, ratio, memory, prefix="--")
+    if refusal is not None:
+        raise InputError(refusal)
     bits = check_kv_bits(kv_bits)
     from kvbudget.byte_budget import check_memory
 
@@ -184,14 +198,28 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_config=log_config(log_level), access_log=False)
 
 
-def _storage_in_method(method: str, kv_bits: int, memory: float | None) -> tuple[str, int, float | None]:
+def _method_or_default(method: str | None, kv_bits: int | None) -> str:
+    """``--method``, else the server's default (:data:`kvbudget.serve.defaults.METHOD`), whose own
+    precision ``--kv-bits`` replaces."""
+    if method is not None:
+        return method
+    from kvbudget.methods.spec import split_storage
+
+    return defaults.METHOD if kv_bits is None else split_storage(defaults.METHOD)[0]
+
+
+def _storage_in_method(
+    method: str, kv_bits: int | None, memory: float | None
+) -> tuple[str, int, float | None]:
     """``--method NAME:kv_bits=b`` or ``NAME:memory=f`` read as ``--kv-bits b`` or ``--memory f``, the
-    method left without it; given both ways, refused."""
+    method left without it; given both ways, refused. No ``--kv-bits``: 16, the model's dtype."""
     from kvbudget.methods.spec import split_storage
 
     name, bits, share = split_storage(method)
-    if bits is not None and kv_bits != 16:
+    if bits is not None and kv_bits is not None:
         raise InputError(f"kv_bits is given twice: in --method {method} and as --kv-bits")
     if share is not None and memory is not None:
         raise InputError(f"memory is given twice: in --method {method} and as --memory")
-    return name, kv_bits if bits is None else bits, memory if share is None else share
+    if bits is None:
+        bits = 16 if kv_bits is None else kv_bits
+    return name, bits, memory if share is None else share

@@ -39,13 +39,31 @@ from kvbudget.session import CompressionSession
 _ids = itertools.count()
 
 
+def full_cache_size_refusal(
+    method: str, budget: int | None, ratio: float | None, memory: float | None, prefix: str = ""
+) -> str | None:
+    """Why a size given with ``method`` is refused, in one line: the full cache (``full``, the
+    server's default for conversations) keeps every entry, so a budget, ratio or byte budget would
+    be silently ignored; ``None`` when there is nothing to refuse. ``prefix``: ``"--"`` names the
+    CLI's flags."""
+    if MethodSpec.parse(method).name != "full":
+        return None
+    given = [n for n, v in (("budget", budget), ("ratio", ratio), ("memory", memory)) if v is not None]
+    if not given:
+        return None
+    return (
+        f"{prefix}{given[0]} needs a method that evicts: {method} keeps every entry (name one, e.g. "
+        f"{prefix}method snapkv or expected-attention)"
+    )
+
+
 @dataclass(frozen=True)
 class Compression:
     """How a request's prompt is compressed: a method spec (``snapkv``, ``snapkv:window=16``, a
     preset ``name@preset``) and a budget (entries per KV head) or a ratio (fraction of the prompt
     kept), as ``kvbudget.generate`` takes them. ``method="full"`` keeps everything."""
 
-    method: str = defaults.METHOD
+    method: str
     budget: int | None = None
     ratio: float | None = None
     kv_bits: int | None = None  # stored at 2, 4 or 8 bits after the prefill; None: the model's dtype
@@ -67,6 +85,12 @@ class Compression:
         if parsed.name == "full":
             return cls(name, kv_bits=parsed.kv_bits)
         return cls(name, budget=budget, ratio=ratio, kv_bits=parsed.kv_bits)
+
+    @classmethod
+    def server_default(cls) -> Compression:
+        """``kvbudget serve``'s compression of a request that names none
+        (:data:`~kvbudget.serve.defaults.METHOD` at :data:`~kvbudget.serve.defaults.RATIO`)."""
+        return cls.from_spec(defaults.METHOD, ratio=defaults.RATIO)
 
     @classmethod
     def for_document(cls, spec: str) -> Compression:

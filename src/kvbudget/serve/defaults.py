@@ -1,15 +1,19 @@
 """``kvbudget serve``'s default compressions, in one place for the CLI, the scheduler, the batcher
 and Ray Serve replicas.
 
-They are chosen by the rule in docs/leaderboard.md ("The server's default"): the cheapest
-configuration that holds later turns of a conversation. Until its measurements are complete the
-server keeps SnapKV for conversations and KVzip under a byte budget of 12.5% for shared documents.
+They are chosen by the rule in docs/leaderboard.md ("The server's default"): the configuration
+with the fewest bytes that holds later turns of a conversation, in both of its modes (one
+conversation; separate requests on one context), among those cheap enough to run on every request.
+For conversations that is the full cache stored at 4 bits: no entry evicted, a third of the bf16
+cache's bytes (every eviction the rule measured, and the byte budgets at 12.5%, lost later turns or
+were undecided). Until the documents' measurements are complete, a shared document keeps KVzip
+under a byte budget of 12.5%.
 """
 
 from __future__ import annotations
 
 #: how a request that names no compression is compressed (a method spec, ``--method``)
-METHOD = "snapkv"
+METHOD = "full:kv_bits=4"
 #: the fraction of its prompt that method keeps (``--ratio``); None: ``kvbudget.generate``'s default
 #: budget, 128 entries a KV head
 RATIO: float | None = None

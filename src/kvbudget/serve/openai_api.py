@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from kvbudget.engine import DEFAULT_BUDGET, build_prompt
 from kvbudget.errors import KVBudgetError
 from kvbudget.methods.spec import MethodSpec
-from kvbudget.serve.batcher import Compression
+from kvbudget.serve.batcher import Compression, full_cache_size_refusal
 from kvbudget.serve.documents import Document, DocumentNotFound
 from kvbudget.serve.logs import quote
 from kvbudget.serve.schema import (
@@ -247,6 +247,9 @@ def _document_compression(body: DocumentRequest, default: Compression) -> Compre
         MethodSpec.parse(method)
     except KVBudgetError as exc:
         raise APIError(400, str(exc), "method") from None
+    refusal = full_cache_size_refusal(method, body.budget, body.ratio, body.memory)
+    if refusal is not None:
+        raise APIError(400, refusal, "method")
     if body.memory is not None:
         return Compression(method, memory=body.memory)
     # the body's kv_bits (16: the model's dtype), else the server's (`--document-method full:kv_bits=4`)
@@ -273,6 +276,10 @@ def resolve_compression(options: KVBudgetOptions | None, default: Compression) -
         MethodSpec.parse(method)
     except KVBudgetError as exc:
         raise APIError(400, str(exc), "kvbudget.method") from None
+    if options is not None:
+        refusal = full_cache_size_refusal(method, options.budget, options.ratio, options.memory)
+        if refusal is not None:
+            raise APIError(400, refusal, "kvbudget.method")
     if options is not None and options.memory is not None:
         return Compression(method, None, None, None, options.memory)
     bits = options.kv_bits if options is not None and options.kv_bits is not None else default.kv_bits

@@ -44,7 +44,7 @@ from kvbudget.errors import InputError, MissingExtraError
 from kvbudget.extras import extra_hint, needs_extra, require_extra
 from kvbudget.methods.spec import MethodSpec
 from kvbudget.serve import defaults
-from kvbudget.serve.batcher import Compression
+from kvbudget.serve.batcher import Compression, full_cache_size_refusal
 from kvbudget.units import parse_size
 
 #: a zero-argument function returning ``(model, tokenizer)``; it runs in each replica
@@ -189,6 +189,9 @@ def replica_config(
         spec.build().check_budget(budget)
     if spec.memory is not None and (budget, ratio) != (None, None):
         raise InputError(f"give memory or budget/ratio, not both: method {method!r} is a byte budget")
+    refusal = full_cache_size_refusal(method, budget, ratio, None)
+    if refusal is not None:
+        raise InputError(refusal)
     if not callable(model):
         name = str(model)
         model = str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name

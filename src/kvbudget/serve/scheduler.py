@@ -188,7 +188,7 @@ class Scheduler:
             raise InputError(f"the queue must hold at least one request, got {max_queue}")
         self.model, self.tokenizer = model, tokenizer
         self.memory_cap, self.max_queue, self.keep_turns = memory_cap, max_queue, keep_turns
-        self.default = default or Compression()
+        self.default = default or Compression.server_default()
         self.document_default = document_default or Compression.for_document(defaults.DOCUMENT_METHOD)
         self.metrics = metrics or Metrics()
         self.eos = eos_ids(model, tokenizer)

@@ -51,8 +51,8 @@ def serve(
         str,
         typer.Option(
             help="How a shared document (POST /v1/kvbudget/documents) is compressed when its creator names "
-            "no method: a spec with its size (`kvzip:memory=0.125`, a byte budget; `kvzip:kv_bits=4` keeps "
-            "half, at 4 bits)."
+            "no method: a spec with its size (`kvzip:kv_bits=4`, the default, keeps half at 4 bits; "
+            "`kvzip:memory=0.125` is a byte budget)."
         ),
     ] = defaults.DOCUMENT_METHOD,
     memory_cap: Annotated[

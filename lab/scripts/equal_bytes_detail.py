@@ -7,19 +7,19 @@ the full cache on the same samples (the readings' descriptive interval).
 
 One-question rows (the core tasks) are scored as the table scores them; ``--bytes`` prints each
 label's cache as a share of the full bf16 cache's bytes on the same samples, one-question rows or a
-shared-context task's multi-turn rows (quantization alone's shares). The interval: a percentile
-bootstrap of the paired per-sample difference, resampled within each task (10,000 draws, seed 0),
-task means then their mean — descriptive, not a family's verdict.
+shared-context task's multi-turn rows (quantization alone's shares). The interval: the stratified
+percentile bootstrap of the paired per-sample difference (``bootstrap_mean_over_groups``: resampled
+within each task, task means then their mean) — descriptive, not a family's verdict.
 The model: qwen2.5-coder-0.5b, 4-bit GGUF weights dequantized to bf16.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 from collections import defaultdict
 from pathlib import Path
 
+from kvbudget.eval.intervals import bootstrap_mean_over_groups
 from kvbudget.eval.store import load_rows
 
 SAMPLES = 20
@@ -74,15 +74,10 @@ def main() -> None:
             for t in tasks
             if t in one
         }
-        mean = sum(sum(d) / len(d) for d in diffs.values()) / len(diffs)
-        rng = random.Random(0)
-        draws = sorted(
-            sum(sum(rng.choice(d) for _ in d) / len(d) for d in diffs.values()) / len(diffs)
-            for _ in range(10_000)
-        )
+        d = bootstrap_mean_over_groups(list(diffs.values()))
         n = ", ".join(f"{t} {len(d)}" for t, d in diffs.items())
-        low, high = 100 * draws[250], 100 * draws[9749]
-        print(f"\n{args.label} − {args.against}: {100 * mean:+.1f} [{low:+.1f}, {high:+.1f}] (samples: {n})")
+        shown = f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+        print(f"\n{args.label} − {args.against}: {shown} (samples: {n})")
 
 
 if __name__ == "__main__":

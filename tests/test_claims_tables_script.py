@@ -455,10 +455,12 @@ def test_shared_context_rule_holds_loses_and_undecided_by_hand():
         + _conversation_rows("lost", 0.5, [0.0] * 20, first=0.0)  # −100 on every sample: loses
         + _conversation_rows("half", 0.5, [1.0, 0.0] * 10)  # −50 ± a wide interval: loses or undecided
         + _conversation_rows("late", 0.5, [1.0] * 5)  # fewer samples than the rest: on its five
+        + _conversation_rows("begun", 0.75, [0.0] * 2, first=0.0)  # two samples: no interval, no verdict
     )
     table = shared_context_table(rows, "question-agnostic")
     by_label = {line.split(" | ")[2]: line for line in table[2:] if line.startswith("| multi-turn")}
-    assert set(by_label) == {"full", "same", "lost", "half", "late"}
+    assert set(by_label) == {"full", "same", "lost", "half", "late", "begun"}
+    assert by_label["begun"].split(" | ")[5:7] == ["–", "–"] and by_label["begun"].endswith("| 1 × 2 |")
     assert by_label["late"].endswith("| 1 × 5 |") and by_label["same"].endswith("| 1 × 20 |")
     assert "| +0.0 [+0.0, +0.0] | holds |" in by_label["same"]
     assert "| 0.0 | 0.0 | -100.0 [-100.0, -100.0] | loses |" in by_label["lost"]

@@ -62,4 +62,12 @@ step "core agnostic bytes, cheap" $RUN $AGNOSTIC --agnostic --tasks $CORE --comp
   --methods expected-attention,expected-attention:memory=0.25,expected-attention:memory=0.0625,full:kv_bits=8,full:kv_bits=4,full:kv_bits=2
 step "core agnostic bytes, kvzip" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.9375 \
   --methods kvzip,kvzip:memory=0.25,kvzip:memory=0.0625
+# 6. the issue's best question-agnostic scorer, KVgrad (the core tasks' best evicting alone at r = 0.875 and
+# 0.75): its byte budgets at 25%, 12.5% and 6.25% beside its eviction at the same shares (exploratory:
+# the rules above were written for KVzip, Expected Attention and SnapKV); one gradient pass a sample,
+# shared by the four runs
+step "seed agnostic kvgrad" $PY lab/scripts/seed_rows.py lab/results/leaderboard-agnostic $AGNOSTIC \
+  --labels kvgrad --ratios 0.875,0.75 --tasks $CORE
+step "core agnostic bytes, kvgrad" $RUN $AGNOSTIC --agnostic --tasks $CORE --compression-ratios 0.9375 \
+  --methods kvgrad,kvgrad:memory=0.25,kvgrad:memory=0.125,kvgrad:memory=0.0625
 echo "=== $(date -u +%FT%TZ) grid done"

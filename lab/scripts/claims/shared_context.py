@@ -7,7 +7,7 @@ a simultaneous 95% interval (Bonferroni over that track and mode's comparisons: 
 ``1 − 0.05 / m``). A method **holds** later turns at a ratio when the interval lies above −10 points,
 **loses** them when it lies wholly below −10, and is **undecided** otherwise. Each configuration is
 compared on the tasks × n of its samples (each task's first n of those the full cache also has) that
-cover the most, so a run in progress shows what it has; below :data:`MIN_SAMPLES` a task it has
+cover the most, so a run in progress shows what it has; below :data:`MIN_VERDICT_SAMPLES` a task it has
 no interval and no verdict (a bootstrap over one or two samples is not an interval).
 """
 
@@ -30,7 +30,7 @@ MARGIN = 0.10
 #: the family's overall level; each of its m intervals is at 1 − LEVEL / m
 LEVEL = 0.05
 #: the fewest samples a task (the pilots' five) on which a configuration gets an interval and a verdict
-MIN_SAMPLES = 5
+MIN_VERDICT_SAMPLES = 5
 
 
 def verdict(low: float, high: float, margin: float = MARGIN) -> str:
@@ -118,7 +118,7 @@ def shared_context_entries(rows: list[dict]) -> list[Entry]:
             group = [r for r in compared if r["label"] == label and row_column(r) == column]
             n = len(next(iter(chosen.values())))
             difference = None
-            if n >= MIN_SAMPLES:
+            if n >= MIN_VERDICT_SAMPLES:
                 difference = later_minus_full(compared, label, column, mode, level=level)
             entries.append(Entry(mode, column, label, group, len(chosen), n, difference))
     return entries

@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY, seeded
-from kvbudget.cache import _take
+from kvbudget.cache_storage import take
 from kvbudget.engine import Prompt, prefill
 from kvbudget.methods.layerwise import NEVER, candidate_ranks
 from kvbudget.methods.registry import make_method
@@ -172,5 +172,5 @@ def test_keep_copy_equals_gather_contiguous_or_not():
     storage = torch.randn(2, 3, 20, 4, generator=g)
     for t in (storage, storage[:, :, :10], storage[:1]):  # contiguous, a view with room, one row
         idx = torch.randint(0, 10, (*t.shape[:2], 6), generator=g)
-        assert torch.equal(_take(t, idx), t.gather(2, idx[..., None].expand(*idx.shape, 4)))
-        assert torch.equal(_take(t[:, 0], idx[:, 0]), t[:, 0].gather(1, idx[:, 0, :, None].expand(-1, -1, 4)))
+        assert torch.equal(take(t, idx), t.gather(2, idx[..., None].expand(*idx.shape, 4)))
+        assert torch.equal(take(t[:, 0], idx[:, 0]), t[:, 0].gather(1, idx[:, 0, :, None].expand(-1, -1, 4)))

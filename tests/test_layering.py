@@ -44,6 +44,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     (
         "cache",
         [
+            "kvbudget.cache_storage",
+            "kvbudget.cache_layer",
             "kvbudget.cache",
             "kvbudget.static_cache",
             "kvbudget.joined_cache",

@@ -287,7 +287,7 @@ def decode_step(model: PreTrainedModel, seqs: list[Sequence]) -> list[int | Exce
 
 def _with_room(n: int) -> int:
     """Slots a head's storage has once it holds ``n`` entries, at most (the cache grows storage by
-    ``max(32, n / 16)`` slots: :meth:`kvbudget.cache._Storage.append`)."""
+    ``max(32, n / 16)`` slots: :meth:`kvbudget.cache_storage.Storage.append`)."""
     return n + max(32, n // 16)
 
 

@@ -17,6 +17,7 @@ AGNOSTIC=lab/results/equal-bytes-agnostic
 SC_TASKS=sc_keys,sc_code,sc_vt
 CORE=needle,niah_single_2,niah_multikey_1,niah_multikey_2,vt,lcc
 source "$(dirname "$0")/step.sh"
+need_model qwen2.5-coder-0.5b
 # the leaderboard's rows of the same samples (same keys): nothing measured twice
 step "seed aware" $PY lab/scripts/seed_rows.py lab/results/leaderboard $AWARE --labels full,snapkv \
   --ratios 0.875 --tasks $CORE

@@ -19,6 +19,7 @@ AWARE=full,snapkv,chunkkv,laq
 # its pipeline answers several questions about one context as separate requests only
 PRESSES=expected_attention,chunkkv
 source "$(dirname "$0")/step.sh"
+need_model qwen2.5-coder-0.5b
 # sc_aggregate after both rounds of the other three: its 64-token answers, which compressed caches often
 # run to the cap, make a run about 40 s (the other tasks: 5-11 s), about an hour a track at 5 samples
 for tasks in sc_keys,sc_code,sc_vt sc_aggregate; do

@@ -38,18 +38,6 @@ from kvbudget.errors import KVBudgetError
 from kvbudget.phases import Phase
 from kvbudget.quantized_store import GROUP, check_storable
 
-__all__ = [
-    "KV_BITS",
-    "BudgetCache",
-    "BudgetLayer",
-    "CacheSession",
-    "CacheStats",
-    "check_kv_bits",
-    "full_cache_stats",
-    "model_entry_bytes",
-]
-
-
 #: stale entries a sliding-window layer may hold before :meth:`BudgetCache.update` drops them
 WINDOW_SLACK = 32
 #: session phases whose forwards drop a sliding-window layer's stale entries (see ``BudgetCache.update``)

@@ -1,19 +1,20 @@
-"""First turn and later turns of one shared-context task, per method, ratio and mode, on a task's
-first samples: the pilot's figures before the leaderboard's tables give the task intervals.
+"""First turn and later turns of one shared-context task, per mode, method and ratio, on a task's
+first samples: the figures of a task before the leaderboard's tables give it simultaneous intervals.
 
     python lab/scripts/turns_by_task.py lab/results/shared-context-agnostic --task sc_aggregate --samples 5
 
-Means ×100 over the samples (error rows left out), the count of samples beside them; no interval.
+The harness's turns table (:func:`kvbudget.eval.turns_report.turns_table`) over that task's rows:
+means ×100 (error rows left out), later turns minus the full cache's with a 95% interval not
+corrected for multiplicity, and the samples (n).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 from pathlib import Path
 
 from kvbudget.eval.store import load_rows
-from kvbudget.eval.turns_report import is_conversation, later_turns
+from kvbudget.eval.turns_report import is_conversation, turns_table
 
 
 def main() -> None:
@@ -23,21 +24,16 @@ def main() -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--samples", type=int, default=None, help="the first N samples (default: all)")
     args = parser.parse_args()
-    cells: dict[tuple[str, str, str], list[tuple[float, float]]] = defaultdict(list)
-    for row in load_rows(args.folder / "results.jsonl"):
-        if row["task"] != args.task or row.get("error") or not is_conversation(row):
-            continue
-        if args.samples is not None and row["sample"] >= args.samples:
-            continue
-        ratio = "–" if row["compression_ratio"] is None else f"{row['compression_ratio']:g}"
-        cells[(row["conversation"], row["label"], ratio)].append((row["turns"][0]["score"], later_turns(row)))
-    if not cells:
+    rows = [
+        row
+        for row in load_rows(args.folder / "results.jsonl")
+        if row["task"] == args.task
+        and is_conversation(row)
+        and (args.samples is None or row["sample"] < args.samples)
+    ]
+    if not rows:
         raise SystemExit(f"no {args.task} conversation rows in {args.folder}")
-    print("| mode | method | r | turn 1 | later turns | n |\n|---|---|---|---:|---:|---:|")
-    for (mode, label, ratio), pairs in sorted(cells.items()):
-        first = 100 * sum(a for a, _ in pairs) / len(pairs)
-        later = 100 * sum(b for _, b in pairs) / len(pairs)
-        print(f"| {mode} | {label} | {ratio} | {first:.1f} | {later:.1f} | {len(pairs)} |")
+    print("\n".join(turns_table(rows)))
 
 
 if __name__ == "__main__":
